@@ -1,0 +1,153 @@
+/* The part of vendor/llama.cpp/include/llama.h (and ggml.h) that stepmtp uses, in the
+ * syntax cffi's cdef parses. The binding is compiled against the real headers (API
+ * mode), so the compiler checks every declaration here; structs end in "...;" so only
+ * the fields we touch are named and their layout comes from the real header. */
+
+typedef int32_t llama_pos;
+typedef int32_t llama_token;
+typedef int32_t llama_seq_id;
+
+struct llama_model;
+struct llama_context;
+struct llama_vocab;
+typedef struct llama_memory_i * llama_memory_t;
+
+enum ggml_log_level {
+    GGML_LOG_LEVEL_NONE  = 0,
+    GGML_LOG_LEVEL_DEBUG = 1,
+    GGML_LOG_LEVEL_INFO  = 2,
+    GGML_LOG_LEVEL_WARN  = 3,
+    GGML_LOG_LEVEL_ERROR = 4,
+    GGML_LOG_LEVEL_CONT  = 5,
+};
+typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+
+enum llama_context_type {
+    LLAMA_CONTEXT_TYPE_DEFAULT = 0,
+    LLAMA_CONTEXT_TYPE_MTP     = 1,
+};
+
+enum llama_flash_attn_type {
+    LLAMA_FLASH_ATTN_TYPE_AUTO     = -1,
+    LLAMA_FLASH_ATTN_TYPE_DISABLED = 0,
+    LLAMA_FLASH_ATTN_TYPE_ENABLED  = 1,
+};
+
+enum ggml_type {
+    GGML_TYPE_F32  = 0,
+    GGML_TYPE_F16  = 1,
+    GGML_TYPE_Q4_0 = 2,
+    GGML_TYPE_Q8_0 = 8,
+    GGML_TYPE_BF16 = 30,
+    ...
+};
+
+typedef bool (*llama_progress_callback)(float progress, void * user_data);
+typedef bool (*ggml_abort_callback)(void * data);
+
+typedef struct llama_batch {
+    int32_t n_tokens;
+    llama_token  *  token;
+    float        *  embd;
+    llama_pos    *  pos;
+    int32_t      *  n_seq_id;
+    llama_seq_id ** seq_id;
+    int8_t       *  logits;
+} llama_batch;
+
+struct llama_model_params {
+    int32_t n_gpu_layers;
+    int32_t main_gpu;
+    llama_progress_callback progress_callback;
+    void * progress_callback_user_data;
+    bool vocab_only;
+    bool use_mmap;
+    bool use_mlock;
+    bool check_tensors;
+    ...;
+};
+
+struct llama_context_params {
+    uint32_t n_ctx;
+    uint32_t n_batch;
+    uint32_t n_ubatch;
+    uint32_t n_seq_max;
+    int32_t  n_threads;
+    int32_t  n_threads_batch;
+    enum llama_context_type ctx_type;
+    enum llama_flash_attn_type flash_attn_type;
+    enum ggml_type type_k;
+    enum ggml_type type_v;
+    ggml_abort_callback abort_callback;
+    void * abort_callback_data;
+    bool embeddings;
+    bool offload_kqv;
+    bool no_perf;
+    bool swa_full;
+    bool kv_unified;
+    ...;
+};
+
+struct llama_model_params   llama_model_default_params(void);
+struct llama_context_params llama_context_default_params(void);
+
+void llama_backend_init(void);
+void llama_log_set(ggml_log_callback log_callback, void * user_data);
+const char * llama_print_system_info(void);
+bool llama_supports_gpu_offload(void);
+int64_t llama_time_us(void);
+
+struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
+void llama_model_free(struct llama_model * model);
+
+struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
+void llama_free(struct llama_context * ctx);
+
+uint32_t llama_n_ctx    (const struct llama_context * ctx);
+uint32_t llama_n_batch  (const struct llama_context * ctx);
+uint32_t llama_n_ubatch (const struct llama_context * ctx);
+uint32_t llama_n_seq_max(const struct llama_context * ctx);
+
+llama_memory_t llama_get_memory(const struct llama_context * ctx);
+const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
+
+int32_t llama_model_n_ctx_train(const struct llama_model * model);
+int32_t llama_model_n_embd     (const struct llama_model * model);
+int32_t llama_model_n_layer    (const struct llama_model * model);
+int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
+int32_t llama_model_meta_count(const struct llama_model * model);
+int32_t llama_model_meta_key_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
+int32_t llama_model_meta_val_str_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
+int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+uint64_t llama_model_size(const struct llama_model * model);
+uint64_t llama_model_n_params(const struct llama_model * model);
+const char * llama_model_chat_template(const struct llama_model * model, const char * name);
+
+void llama_memory_clear(llama_memory_t mem, bool data);
+bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
+llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
+llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+
+int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+void llama_synchronize(struct llama_context * ctx);
+float * llama_get_logits(struct llama_context * ctx);
+float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+
+int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
+const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);
+bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
+bool llama_vocab_is_control(const struct llama_vocab * vocab, llama_token token);
+llama_token llama_vocab_bos(const struct llama_vocab * vocab);
+llama_token llama_vocab_eos(const struct llama_vocab * vocab);
+llama_token llama_vocab_eot(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
+
+int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+                       llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
+int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,
+                             int32_t length, int32_t lstrip, bool special);
+int32_t llama_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens,
+                         char * text, int32_t text_len_max, bool remove_special, bool unparse_special);
