@@ -1,0 +1,64 @@
+"""stepmtp: Step-3.5/3.7-Flash with its three MTP heads chained as speculative decoding.
+
+A Python package over a patched, vendored llama.cpp, driven through cffi.
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+try:
+    __version__ = _version("stepmtp")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0+unknown"
+
+from .binding import LlamaError
+from .llama import Batch, Context, Model, ModelLoadError, default_threads
+from .mtp import SpecConfig
+from .sampling import SamplingParams
+from .stats import GenStats
+from .engine import Chunk, Completion, Engine
+
+__all__ = [
+    "__version__",
+    "system_info",
+    "Model",
+    "Context",
+    "Batch",
+    "LlamaError",
+    "ModelLoadError",
+    "default_threads",
+    "Engine",
+    "Completion",
+    "Chunk",
+    "SpecConfig",
+    "SamplingParams",
+    "GenStats",
+]
+
+
+def system_info() -> dict[str, object]:
+    """What this build of stepmtp runs on: backend, build flags, llama.cpp commit and
+    the patches applied to it."""
+    from .binding import build_info, ensure_backend, ffi, lib
+
+    ensure_backend()
+    info = build_info()
+    vendor = info.get("vendor", {})
+    import json
+    from pathlib import Path
+
+    manifest_commit = None
+    manifest = Path(__file__).resolve().parent / "_vendor_manifest.json"
+    if manifest.exists():
+        manifest_commit = json.loads(manifest.read_text()).get("upstream_commit")
+    return {
+        "stepmtp": __version__,
+        "llama_cpp_commit": manifest_commit,
+        "sdist_sha256": vendor.get("sha256"),
+        "patches": [name for name, _ in vendor.get("patches", [])],
+        "gpu_offload": bool(lib.llama_supports_gpu_offload()),
+        "backend": ffi.string(lib.llama_print_system_info()).decode(),
+        "build_type": info.get("build_type"),
+        "build_flags": [f for f in info.get("build_flags", "").split(";") if f],
+        "compiler": info.get("compiler"),
+    }

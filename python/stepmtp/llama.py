@@ -1,0 +1,570 @@
+"""Typed wrappers over llama.cpp: Model, Context and Batch.
+
+Ownership is explicit: a Model owns its Contexts (closing the model closes them
+first), a Context owns its output buffers. Arrays returned by ``Context.logits``,
+``Context.logits_rows`` and ``Context.nextn`` are numpy *views* into llama.cpp's
+buffers, without copies: they are valid until the next ``decode`` on that context
+(or its close). Copy them (``.copy()``) to keep them longer.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from .binding import ErrorCapture, LlamaError, ensure_backend, ffi, lib
+
+__all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "default_threads"]
+
+
+class ModelLoadError(LlamaError):
+    """A model file could not be loaded; the message names the file and the reason."""
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (llama.cpp's own default is a fixed 4)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+def _gpu_layers(n: int | str) -> int:
+    if isinstance(n, str):
+        if n in ("all", "auto"):
+            return -1
+        n = int(n)
+    return int(n)
+
+
+_KV_TYPES = {"f32": "GGML_TYPE_F32", "f16": "GGML_TYPE_F16", "bf16": "GGML_TYPE_BF16",
+             "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
+
+
+def _kv_type(name: str) -> int:
+    try:
+        return getattr(lib, _KV_TYPES[name.lower()])
+    except KeyError:
+        raise ValueError(f"unknown KV cache type {name!r} ({', '.join(_KV_TYPES)})") from None
+
+
+def _check_gguf(path: Path) -> None:
+    # llama.cpp reports these too, but only in its log; a direct reason reads better
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file")
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: not a regular file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r})")
+
+
+class _Progress:
+    """Loading progress on a terminal: a one-line bar on stderr."""
+
+    def __init__(self, label: str, callback: Callable[[float], None] | None) -> None:
+        self.label = label
+        self.callback = callback
+        self.last = -1
+
+    def __call__(self, frac: float) -> None:
+        if self.callback is not None:
+            self.callback(frac)
+            return
+        pct = int(frac * 100)
+        if pct == self.last:
+            return
+        self.last = pct
+        bar = "#" * (pct // 4)
+        end = "\n" if pct >= 100 else ""
+        sys.stderr.write(f"\rloading {self.label} [{bar:<25}] {pct:3d}%{end}")
+        sys.stderr.flush()
+
+
+@ffi.def_extern()
+def stepmtp_progress_cb(progress: float, user_data: object) -> bool:
+    try:
+        ffi.from_handle(user_data)(progress)
+    except Exception:
+        pass
+    return True  # never cancel the load
+
+
+class Model:
+    """A GGUF model loaded by llama.cpp.
+
+    Args:
+        path: the .gguf file.
+        n_gpu_layers: layers to offload to the GPU (``"all"`` or -1 for all; 0 on CPU).
+        use_mmap, use_mlock: as llama.cpp's options of the same names.
+        progress: True to draw a progress bar on stderr, or a callable taking a
+            fraction in [0, 1].
+        vocab_only: load only the vocabulary (tokenizing without weights).
+
+    Raises:
+        ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it
+            (the message carries llama.cpp's reason, e.g. the missing tensor).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_gpu_layers: int | str = 0,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        progress: bool | Callable[[float], None] = False,
+        vocab_only: bool = False,
+    ) -> None:
+        ensure_backend()
+        self.path = Path(path)
+        self._ptr = ffi.NULL
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        _check_gguf(self.path)
+
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = _gpu_layers(n_gpu_layers)
+        params.use_mmap = use_mmap
+        params.use_mlock = use_mlock
+        params.vocab_only = vocab_only
+        handle = None
+        if progress:
+            handle = ffi.new_handle(_Progress(self.path.name, progress if callable(progress) else None))
+            params.progress_callback = lib.stepmtp_progress_cb
+            params.progress_callback_user_data = handle
+
+        with ErrorCapture() as cap:
+            ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+        if ptr == ffi.NULL:
+            raise ModelLoadError(cap.message(f"{self.path}: llama.cpp could not load the model"))
+        self._ptr = ptr
+        self._vocab = lib.llama_model_get_vocab(ptr)
+
+        self.n_vocab: int = lib.llama_vocab_n_tokens(self._vocab)
+        self.n_embd: int = lib.llama_model_n_embd(ptr)
+        self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
+        #: MTP blocks the file declares, and how many of them it carries weights for
+        #: (0 for a trunk-only file of a split pair).
+        self.n_mtp_blocks: int = lib.llama_mtp_model_n_blocks(ptr)
+        self.n_mtp_blocks_loaded: int = lib.llama_mtp_model_n_blocks_loaded(ptr)
+        self.n_layer_trunk: int = lib.llama_mtp_model_n_layer_trunk(ptr)
+        self.bos: int = lib.llama_vocab_bos(self._vocab)
+        self.eos: int = lib.llama_vocab_eos(self._vocab)
+        self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(self._vocab))
+        self._eog = np.array(
+            [bool(lib.llama_vocab_is_eog(self._vocab, t)) for t in range(self.n_vocab)], dtype=bool
+        )
+
+    # -- lifetime -------------------------------------------------------------
+
+    @property
+    def ptr(self):  # noqa: ANN201 - a cffi pointer
+        if self._ptr == ffi.NULL:
+            raise LlamaError("the model is closed")
+        return self._ptr
+
+    def close(self) -> None:
+        """Free the model, after every context made from it."""
+        for ctx in list(self._contexts):
+            ctx.close()
+        if self._ptr != ffi.NULL:
+            lib.llama_model_free(self._ptr)
+            self._ptr = ffi.NULL
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- metadata -------------------------------------------------------------
+
+    @property
+    def has_mtp(self) -> bool:
+        """True when the file carries the weights of every MTP block it declares."""
+        return self.n_mtp_blocks > 0 and self.n_mtp_blocks_loaded == self.n_mtp_blocks
+
+    def meta(self, key: str) -> str | None:
+        """One GGUF metadata value as a string (arrays are summarised by llama.cpp)."""
+        buf = ffi.new("char[]", 4096)
+        n = lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ffi.new("char[]", n + 1)
+            lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return ffi.string(buf).decode("utf-8", "replace")
+
+    def metadata(self) -> dict[str, str]:
+        out = {}
+        key = ffi.new("char[]", 512)
+        for i in range(lib.llama_model_meta_count(self.ptr)):
+            lib.llama_model_meta_key_by_index(self.ptr, i, key, len(key))
+            name = ffi.string(key).decode("utf-8", "replace")
+            out[name] = self.meta(name) or ""
+        return out
+
+    @property
+    def description(self) -> str:
+        buf = ffi.new("char[]", 256)
+        lib.llama_model_desc(self.ptr, buf, len(buf))
+        return ffi.string(buf).decode("utf-8", "replace")
+
+    @property
+    def size(self) -> int:
+        return int(lib.llama_model_size(self.ptr))
+
+    @property
+    def n_params(self) -> int:
+        return int(lib.llama_model_n_params(self.ptr))
+
+    @property
+    def chat_template(self) -> str | None:
+        p = lib.llama_model_chat_template(self.ptr, ffi.NULL)
+        return None if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
+
+    # -- vocabulary -----------------------------------------------------------
+
+    def is_eog(self, token: int) -> bool:
+        """End of generation (EOS, EOT and the like)."""
+        return bool(self._eog[token]) if 0 <= token < self.n_vocab else False
+
+    def tokenize(self, text: str | bytes, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text to token ids. ``add_special`` adds BOS/EOS as the model asks;
+        ``parse_special`` turns written special tokens (``<|im_start|>``) into their ids."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        n_max = len(data) + 8
+        buf = ffi.new("llama_token[]", n_max)
+        n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = ffi.new("llama_token[]", n_max)
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+            if n < 0:
+                raise LlamaError("tokenization failed")
+        return list(ffi.unpack(buf, n))
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token (may be a partial UTF-8 sequence)."""
+        self._check_token(token)
+        buf = ffi.new("char[]", 64)
+        n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return ffi.unpack(buf, n)
+
+    def detokenize(self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False) -> str:
+        """Token ids to text (invalid UTF-8 is replaced)."""
+        toks = list(tokens)
+        for t in toks:
+            self._check_token(t)
+        arr = ffi.new("llama_token[]", toks)
+        cap = max(16, 8 * len(toks))
+        buf = ffi.new("char[]", cap)
+        n = lib.llama_detokenize(self._vocab, arr, len(toks), buf, cap, remove_special, unparse_special)
+        if n < 0:
+            cap = -n
+            buf = ffi.new("char[]", cap)
+            n = lib.llama_detokenize(self._vocab, arr, len(toks), buf, cap, remove_special, unparse_special)
+        return ffi.unpack(buf, n).decode("utf-8", "replace")
+
+    def _check_token(self, token: int) -> None:
+        if not 0 <= int(token) < self.n_vocab:
+            raise ValueError(f"token id {token} out of range [0, {self.n_vocab})")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._ptr == ffi.NULL else self.description
+        return f"<Model {self.path.name}: {state}, mtp {self.n_mtp_blocks_loaded}/{self.n_mtp_blocks}>"
+
+
+class Batch:
+    """A reusable llama_batch over preallocated numpy arrays.
+
+    One sequence id per row. With ``n_embd`` > 0 the batch also carries a hidden
+    row per token (MTP contexts take both a token and a hidden row).
+    """
+
+    def __init__(self, capacity: int, *, n_embd: int = 0) -> None:
+        if capacity <= 0:
+            raise ValueError("batch capacity must be positive")
+        self.capacity = capacity
+        self.n_embd = n_embd
+        self.n = 0
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        self.embd = np.zeros((capacity, n_embd), dtype=np.float32) if n_embd else None
+        self._n_seq_id = np.ones(capacity, dtype=np.int32)
+        self._seq_base = ffi.from_buffer("llama_seq_id[]", self.seq)
+        self._seq_ptrs = ffi.new("llama_seq_id *[]", capacity)
+        for i in range(capacity):
+            self._seq_ptrs[i] = self._seq_base + i
+        self._c = ffi.new("llama_batch *")
+        self._c.token = ffi.from_buffer("llama_token[]", self.token)
+        self._c.pos = ffi.from_buffer("llama_pos[]", self.pos)
+        self._c.n_seq_id = ffi.from_buffer("int32_t[]", self._n_seq_id)
+        self._c.seq_id = self._seq_ptrs
+        self._c.logits = ffi.from_buffer("int8_t[]", self.logits)
+        self._c.embd = ffi.from_buffer("float[]", self.embd) if n_embd else ffi.NULL
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq: int = 0, output: bool = False) -> int:
+        """Append one row; returns its index. Set ``embd[i]`` for hidden-carrying batches."""
+        i = self.n
+        if i >= self.capacity:
+            raise ValueError(f"batch full ({self.capacity} rows)")
+        self.token[i] = token
+        self.pos[i] = pos
+        self.seq[i] = seq
+        self.logits[i] = output
+        self.n = i + 1
+        return i
+
+    def fill(self, tokens: Sequence[int] | np.ndarray, pos0: int, seq: int = 0, *,
+             outputs: str | np.ndarray = "last", embd: np.ndarray | None = None) -> None:
+        """Replace the content with consecutive tokens at ``pos0, pos0+1, ..``.
+
+        ``outputs``: "last", "all", "none", or a boolean mask.
+        """
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"{n} tokens exceed the batch capacity {self.capacity}")
+        self.n = n
+        self.token[:n] = tokens
+        self.pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self.seq[:n] = seq
+        if isinstance(outputs, str):
+            self.logits[:n] = 1 if outputs == "all" else 0
+            if outputs == "last" and n:
+                self.logits[n - 1] = 1
+        else:
+            self.logits[:n] = outputs
+        if embd is not None:
+            if self.embd is None:
+                raise ValueError("this batch carries no hidden rows")
+            self.embd[:n] = embd
+
+    @property
+    def n_outputs(self) -> int:
+        return int(self.logits[: self.n].sum())
+
+    @property
+    def c(self):  # noqa: ANN201 - cffi struct
+        self._c.n_tokens = self.n
+        return self._c[0]
+
+
+class Context:
+    """A llama.cpp context (KV cache, compute buffers, outputs) over a Model.
+
+    Args:
+        model: the Model; it must stay open while the context lives.
+        n_ctx: context size in tokens (0: the model's training context).
+        n_batch, n_ubatch: logical and physical batch sizes, as llama.cpp's -b / -ub.
+        n_seq_max: number of sequences (parallel slots).
+        n_threads, n_threads_batch: CPU threads for single-token and batch decodes
+            (default: every CPU this process may use).
+        mtp: an MTP (draft) context, running one of the model's MTP blocks per decode.
+        swa_full: keep the full sliding-window cache. On by default: speculative
+            decoding rolls the cache back, which needs cells a trimmed cache may
+            already have overwritten.
+        flash_attn: True, False, or None (llama.cpp decides).
+        type_k, type_v: KV cache types, as llama.cpp's -ctk / -ctv ("f16", "f32",
+            "bf16", "q8_0", "q4_0"; quantized V needs flash attention).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 0,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
+        n_seq_max: int = 1,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+        mtp: bool = False,
+        swa_full: bool = True,
+        kv_unified: bool = True,
+        flash_attn: bool | None = None,
+        type_k: str = "f16",
+        type_v: str = "f16",
+    ) -> None:
+        self.model = model
+        self._ptr = ffi.NULL
+        if mtp and not model.has_mtp:
+            if model.n_mtp_blocks == 0:
+                raise LlamaError(f"{model.path}: the model has no MTP blocks")
+            raise LlamaError(
+                f"{model.path}: declares {model.n_mtp_blocks} MTP blocks but carries weights for "
+                f"{model.n_mtp_blocks_loaded} (a trunk-only file? load the MTP file as the draft model)"
+            )
+        if n_ubatch > n_batch:
+            n_ubatch = n_batch
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_ubatch
+        params.n_seq_max = n_seq_max
+        threads = n_threads or default_threads()
+        params.n_threads = threads
+        params.n_threads_batch = n_threads_batch or threads
+        params.ctx_type = lib.LLAMA_CONTEXT_TYPE_MTP if mtp else lib.LLAMA_CONTEXT_TYPE_DEFAULT
+        params.swa_full = swa_full
+        params.kv_unified = kv_unified
+        params.no_perf = True
+        params.flash_attn_type = {
+            None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash_attn]
+        params.type_k = _kv_type(type_k)
+        params.type_v = _kv_type(type_v)
+        with ErrorCapture() as cap:
+            ptr = lib.llama_init_from_model(model.ptr, params)
+        if ptr == ffi.NULL:
+            raise LlamaError(cap.message(f"{model.path}: could not create a llama.cpp context"))
+        self._ptr = ptr
+        self._mem = lib.llama_get_memory(ptr)
+        self.is_mtp = mtp
+        self.n_ctx: int = lib.llama_n_ctx(ptr)
+        self.n_batch: int = lib.llama_n_batch(ptr)
+        self.n_ubatch: int = lib.llama_n_ubatch(ptr)
+        self.n_seq_max: int = lib.llama_n_seq_max(ptr)
+        self.n_vocab = model.n_vocab
+        self.n_embd = model.n_embd
+        self._nextn = (False, False)
+        model._contexts.add(self)
+
+    @property
+    def ptr(self):  # noqa: ANN201
+        if self._ptr == ffi.NULL:
+            raise LlamaError("the context is closed")
+        return self._ptr
+
+    def close(self) -> None:
+        if self._ptr != ffi.NULL:
+            lib.llama_free(self._ptr)
+            self._ptr = ffi.NULL
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- decoding -------------------------------------------------------------
+
+    def decode(self, batch: Batch) -> None:
+        """Run one batch. Raises LlamaError (the context stays usable) on failure."""
+        if batch.n == 0:
+            raise ValueError("empty batch")
+        if self.is_mtp and batch.embd is None:
+            raise ValueError("an MTP context needs a batch with hidden rows (Batch(n, n_embd=...))")
+        if batch.embd is not None and batch.n_embd != self.n_embd:
+            raise ValueError(f"batch hidden rows have {batch.n_embd} columns, the model {self.n_embd}")
+        toks = batch.token[: batch.n]
+        if toks.min() < 0 or toks.max() >= self.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        with ErrorCapture() as cap:
+            rc = lib.llama_decode(self.ptr, batch.c)
+        if rc != 0:
+            reason = {1: "no KV cache slot for the batch (context full)", 2: "aborted"}.get(rc, f"error {rc}")
+            raise LlamaError(cap.message(f"llama_decode failed: {reason}"))
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Logits of output row ``i`` of the last decode (a batch index, -1 = last);
+        a view valid until the next decode."""
+        p = lib.llama_get_logits_ith(self.ptr, i)
+        if p == ffi.NULL:
+            raise IndexError(f"no logits for batch row {i}")
+        return np.frombuffer(ffi.buffer(p, 4 * self.n_vocab), dtype=np.float32)
+
+    def logits_rows(self, n_outputs: int) -> np.ndarray:
+        """All ``n_outputs`` output rows of the last decode, [n_outputs, n_vocab], in
+        batch order; a view valid until the next decode."""
+        p = lib.llama_get_logits(self.ptr)
+        if p == ffi.NULL:
+            raise LlamaError("no logits")
+        return np.frombuffer(ffi.buffer(p, 4 * self.n_vocab * n_outputs), dtype=np.float32).reshape(
+            n_outputs, self.n_vocab
+        )
+
+    def set_nextn(self, enabled: bool, masked: bool = True) -> None:
+        """Also output the hidden rows before the output norm (the MTP heads' input).
+
+        masked: only for output rows; otherwise for every row of the batch."""
+        if (enabled, masked) != self._nextn:
+            lib.llama_mtp_set_embeddings_nextn(self.ptr, enabled, masked)
+            self._nextn = (enabled, masked)
+
+    def nextn(self, n_rows: int) -> np.ndarray:
+        """The hidden rows of the last decode, [n_rows, n_embd]; a view valid until the
+        next decode. ``n_rows``: outputs when masked, batch rows when not."""
+        if not self._nextn[0]:
+            raise LlamaError("nextn embeddings are not enabled (set_nextn(True))")
+        p = lib.llama_mtp_get_embeddings_nextn(self.ptr)
+        if p == ffi.NULL:
+            raise LlamaError("no nextn embeddings")
+        return np.frombuffer(ffi.buffer(p, 4 * self.n_embd * n_rows), dtype=np.float32).reshape(
+            n_rows, self.n_embd
+        )
+
+    def nextn_ith(self, i: int) -> np.ndarray:
+        p = lib.llama_mtp_get_embeddings_nextn_ith(self.ptr, i)
+        if p == ffi.NULL:
+            raise IndexError(f"no nextn embedding for row {i}")
+        return np.frombuffer(ffi.buffer(p, 4 * self.n_embd), dtype=np.float32)
+
+    @property
+    def mtp_offset(self) -> int:
+        """Which MTP block an MTP context runs (0 .. n_mtp_blocks-1)."""
+        return lib.llama_mtp_get_layer_offset(self.ptr)
+
+    @mtp_offset.setter
+    def mtp_offset(self, offset: int) -> None:
+        if not self.is_mtp:
+            raise LlamaError("not an MTP context")
+        if lib.llama_mtp_set_layer_offset(self.ptr, int(offset)) != 0:
+            raise ValueError(
+                f"MTP layer offset {offset} out of range [0, {self.model.n_mtp_blocks})"
+            )
+
+    # -- KV cache -------------------------------------------------------------
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        """Forget positions [p0, p1) of a sequence (p1 = -1: to the end)."""
+        if not lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise LlamaError(f"could not remove positions [{p0}, {p1}) of sequence {seq}")
+
+    def seq_pos_max(self, seq: int = 0) -> int:
+        """The last position held for a sequence, -1 when empty."""
+        return lib.llama_memory_seq_pos_max(self._mem, seq)
+
+    def clear(self) -> None:
+        """Empty the KV cache of every sequence."""
+        lib.llama_memory_clear(self._mem, True)
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
