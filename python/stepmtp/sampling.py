@@ -1,0 +1,141 @@
+"""Token sampling in numpy, with llama.cpp's settings and order.
+
+The target's sampler (``Sampler``) applies, as llama.cpp's default chain does:
+repetition penalties, then top-k, top-p, min-p, temperature, and a seeded draw; at
+temperature <= 0 it is greedy (argmax after the penalties). Draft tokens are picked
+as llama-server's MTP drafter does (``draft_pick``): the most likely token, with its
+probability among the 10 best, which ``p_min`` is compared against.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["SamplingParams", "Sampler", "draft_pick"]
+
+DRAFT_TOP_K = 10
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings with llama-server's names and defaults."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None  # None or -1: a random seed
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError("top_p must be in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repeat_penalty <= 0:
+            raise ValueError("repeat_penalty must be > 0")
+        if self.repeat_last_n < -1:
+            raise ValueError("repeat_last_n must be >= -1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def with_(self, **kw: object) -> "SamplingParams":
+        return replace(self, **kw)
+
+
+class Sampler:
+    """Samples the target's tokens for one sequence.
+
+    ``history`` passed to ``sample`` is the sequence's tokens so far (prompt and
+    generated), which the repetition penalties look at.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        seed = params.seed
+        self.rng = np.random.default_rng(None if seed is None or seed < 0 else seed)
+        p = params
+        self._penalize = (
+            p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        ) and p.repeat_last_n != 0
+
+    def _penalties(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        p = self.params
+        window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n:]
+        if not len(window):
+            return logits
+        counts = Counter(int(t) for t in window)
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        cnt = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+        out = logits.copy()
+        sel = out[ids]
+        sel = np.where(sel <= 0, sel * p.repeat_penalty, sel / p.repeat_penalty)
+        sel -= cnt * p.frequency_penalty + (cnt > 0) * p.presence_penalty
+        out[ids] = sel
+        return out
+
+    def transform(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """Logits after penalties and bias (what greedy picks the argmax of)."""
+        if self._penalize:
+            logits = self._penalties(logits, history)
+        if self.params.logit_bias:
+            logits = logits.copy() if not self._penalize else logits
+            for t, b in self.params.logit_bias.items():
+                if 0 <= t < logits.shape[0]:
+                    logits[t] += b
+        return logits
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates and their probabilities after the whole chain (temperature > 0)."""
+        p = self.params
+        logits = self.transform(logits, history)
+        n = logits.shape[0]
+        k = p.top_k if 0 < p.top_k < n else n
+        if k < n:
+            ids = np.argpartition(-logits, k - 1)[:k]
+        else:
+            ids = np.arange(n)
+        vals = logits[ids].astype(np.float64)
+        order = np.argsort(-vals, kind="stable")
+        ids, vals = ids[order], vals[order]
+        probs = np.exp(vals - vals[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            cut = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            ids, vals, probs = ids[:cut], vals[:cut], probs[:cut]
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs[0]
+            ids, vals = ids[keep], vals[keep]
+        scaled = vals / p.temperature
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        return ids, probs
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """One token from a row of logits."""
+        if self.params.greedy:
+            return int(np.argmax(self.transform(logits, history)))
+        ids, probs = self.distribution(logits, history)
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+
+def draft_pick(logits: np.ndarray) -> tuple[int, float]:
+    """The draft token (argmax) and its probability among the top 10, as
+    llama-server's MTP drafter computes the value ``p_min`` is compared with."""
+    k = min(DRAFT_TOP_K, logits.shape[0])
+    top = np.argpartition(-logits, k - 1)[:k]
+    vals = logits[top].astype(np.float64)
+    j = int(np.argmax(vals))
+    probs = np.exp(vals - vals[j])
+    return int(top[j]), float(1.0 / probs.sum())

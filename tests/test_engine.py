@@ -1,0 +1,203 @@
+"""The MTP3 engine: exactness against plain greedy decoding, statistics, API."""
+from __future__ import annotations
+
+import pytest
+
+from stepmtp import Engine, SamplingParams, SpecConfig
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+N = 40
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny):
+    """Plain greedy decoding, no speculation: the output every mode must equal."""
+    with Engine(tiny["embedded"], mode="none", n_ctx=512) as eng:
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    assert out.stats.n_drafted == 0 and len(out.tokens) == N
+    assert len(set(out.tokens)) > 3, "the tiny model should not repeat one token"
+    return out
+
+
+@pytest.mark.parametrize("mode", ["chain", "single"])
+@pytest.mark.parametrize("n_max", [1, 2, 3])
+@pytest.mark.parametrize("files", ["embedded", "split"])
+def test_speculative_equals_greedy(tiny, greedy_reference, mode, n_max, files):
+    kw = {"mtp_model": tiny["mtp"]} if files == "split" else {}
+    model = tiny["trunk"] if files == "split" else tiny["embedded"]
+    with Engine(model, mode=mode, n_max=n_max, n_ctx=512, **kw) as eng:
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    assert out.tokens == greedy_reference.tokens
+    assert out.text == greedy_reference.text
+    st = out.stats
+    assert st.n_drafted > 0
+    assert st.n_accepted == sum(st.accepted_per_depth)
+    assert st.n_drafted == sum(st.drafted_per_depth)
+    for d in range(3):
+        assert st.accepted_per_depth[d] <= st.drafted_per_depth[d]
+    # p_min 0: every round drafts the full length
+    depth = min(n_max, 3) if mode == "chain" else n_max
+    assert st.drafted_per_depth[depth - 1] == st.n_rounds
+    if depth < 3:
+        assert st.drafted_per_depth[depth] == 0
+
+
+def test_chain_caps_draft_length_at_head_count_and_counts_decodes(tiny, greedy_reference):
+    with Engine(tiny["embedded"], mode="chain", n_max=8, n_ctx=512) as eng:
+        assert eng.driver.n_draft == 3
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    st = out.stats
+    assert out.tokens == greedy_reference.tokens
+    assert st.n_drafted == 3 * st.n_rounds
+    # per round: 3 draft decodes, 1 target decode, 3 process decodes; + the prompt
+    assert st.n_target_decodes == st.n_rounds + 1
+    assert st.n_draft_decodes == 6 * st.n_rounds + 3
+
+
+def test_single_mode_loops_head_zero(tiny, greedy_reference):
+    with Engine(tiny["embedded"], mode="single", n_max=5, n_ctx=512) as eng:
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    st = out.stats
+    assert out.tokens == greedy_reference.tokens
+    assert st.n_drafted == 5 * st.n_rounds
+    assert st.n_draft_decodes == 6 * st.n_rounds + 1  # 5 drafts + 1 process
+
+
+def test_p_min_and_n_min(tiny, greedy_reference):
+    with Engine(tiny["embedded"], mode="chain", n_max=3, p_min=1.0, n_ctx=512) as eng:
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    assert out.tokens == greedy_reference.tokens
+    assert out.stats.n_drafted == 0  # no draft is ever that sure
+    with Engine(tiny["embedded"], mode="chain", n_max=3, n_min=4, n_ctx=512) as eng:
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    assert out.tokens == greedy_reference.tokens and out.stats.n_drafted == 0
+
+
+def test_long_prompt_in_chunks(tiny):
+    prompt = PROMPT * 6
+    outs = {}
+    for mode in ("none", "chain"):
+        with Engine(tiny["embedded"], mode=mode, n_ctx=1024, n_batch=16, n_ubatch=16) as eng:
+            assert len(eng.tokenize(prompt)) > 48
+            outs[mode] = eng.generate(prompt, n_predict=24, temperature=0).tokens
+    assert outs["chain"] == outs["none"]
+
+
+def test_stream_equals_generate_and_stops(tiny):
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        full = eng.generate(PROMPT, n_predict=N, temperature=0)
+        gen = eng.stream(PROMPT, n_predict=N, temperature=0)
+        pieces = []
+        while True:
+            try:
+                pieces.append(next(gen))
+            except StopIteration as done:
+                streamed = done.value
+                break
+        assert "".join(p.text for p in pieces) == full.text == streamed.text
+        assert [t for p in pieces for t in p.tokens] == full.tokens
+        assert pieces[-1].finish_reason == "length" and full.stop_type == "limit"
+
+        # a stop string cuts the text before it, and is never streamed
+        word = full.text[10:13]
+        out = eng.generate(PROMPT, n_predict=N, temperature=0, stop=[word])
+        assert out.stop_type == "word" and out.finish_reason == "stop"
+        assert out.stopping_word == word and word not in out.text
+        assert full.text.startswith(out.text)
+        streamed = "".join(c.text for c in eng.stream(PROMPT, n_predict=N, temperature=0, stop=[word]))
+        assert streamed == out.text
+
+
+def test_sampling_with_seed_is_reproducible(tiny):
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        a = eng.generate(PROMPT, n_predict=N, temperature=1.0, seed=7, top_k=0, top_p=1.0, min_p=0.0)
+        b = eng.generate(PROMPT, n_predict=N, temperature=1.0, seed=7, top_k=0, top_p=1.0, min_p=0.0)
+        c = eng.generate(PROMPT, n_predict=N, temperature=1.0, seed=8, top_k=0, top_p=1.0, min_p=0.0)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_bad_requests_leave_the_engine_usable(tiny, greedy_reference):
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        with pytest.raises(ValueError, match="empty"):
+            eng.generate([], n_predict=4)
+        with pytest.raises(ValueError, match="out of range"):
+            eng.generate([eng.model.n_vocab + 1], n_predict=4)
+        with pytest.raises(ValueError):
+            eng.generate(PROMPT, n_predict=4, top_p=2.0)
+        with pytest.raises(ValueError, match="does not fit"):
+            eng.generate([1] * 600, n_predict=4)
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    assert out.tokens == greedy_reference.tokens
+
+
+def test_context_full_stops_with_length(tiny, greedy_reference):
+    with Engine(tiny["embedded"], mode="chain", n_ctx=64) as eng:
+        n_ctx = eng.n_ctx  # llama.cpp rounds the size up
+        n_prompt = len(eng.tokenize(PROMPT))
+        eog = [t for t in range(eng.model.n_vocab) if eng.model.is_eog(t)]
+        out = eng.generate(PROMPT, n_predict=-1, temperature=0, logit_bias={t: -1e9 for t in eog})
+    assert out.finish_reason == "length" and out.stop_type == "limit"
+    # every position is used: the last token is sampled but never needs decoding
+    assert n_prompt + len(out.tokens) - 1 == n_ctx
+    assert out.tokens[:N] == greedy_reference.tokens
+
+
+def test_chat_template(tiny):
+    with Engine(tiny["embedded"], mode="none", n_ctx=256) as eng:
+        text = eng.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert "hi" in text and "<|im_start|>" in text
+        toks = eng.tokenize(text)
+        specials = eng.tokenize("<|im_start|>", add_special=False)
+        assert len(specials) == 1 and specials[0] in toks
+
+
+def test_invalid_spec():
+    with pytest.raises(ValueError):
+        SpecConfig(mode="tree")
+    with pytest.raises(ValueError):
+        SpecConfig(p_min=2)
+    with pytest.raises(ValueError):
+        SamplingParams(top_k=-1)
+
+
+def _simulate(maps, mode: str, n_draft: int, first: int, n_predict: int):
+    """What the rounds must do on the agree model, from its token maps alone."""
+    f, heads = maps.trunk, maps.heads
+    out, x = [first], first
+    drafted, accepted = [0, 0, 0], [0, 0, 0]
+    while len(out) < n_predict:
+        d, prev = [], x
+        for i in range(n_draft):
+            prev = int((heads[i] if mode == "chain" else heads[0])[prev])
+            d.append(prev)
+        y, prev = [], x
+        for _ in range(n_draft + 1):
+            prev = int(f[prev])
+            y.append(prev)
+        a = 0
+        while a < n_draft and d[a] == y[a]:
+            a += 1
+        for i in range(n_draft):
+            drafted[i] += 1
+            accepted[i] += i < a
+        out += y[: a + 1]
+        x = y[a]
+    return out[:n_predict], drafted, accepted
+
+
+@pytest.mark.parametrize("mode,n_max", [("chain", 3), ("chain", 2), ("single", 3)])
+def test_acceptance_per_depth_is_what_the_heads_predict(tmp_path_factory, mode, n_max):
+    from stepmtp.tiny import write_agree_model
+
+    path, maps = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)
+    n = 96
+    with Engine(path, mode=mode, n_max=n_max, n_ctx=512) as eng:
+        prompt = eng.tokenize("def main():\n")
+        out = eng.generate(prompt, n_predict=n, temperature=0)
+    want, drafted, accepted = _simulate(maps, mode, n_max, int(maps.trunk[prompt[-1]]), n)
+    assert out.tokens == want
+    st = out.stats
+    assert st.drafted_per_depth == drafted
+    assert st.accepted_per_depth == accepted
+    assert 0 < st.n_accepted < st.n_drafted  # partial agreement, as the maps say
