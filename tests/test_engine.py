@@ -19,13 +19,14 @@ def greedy_reference(tiny):
     return out
 
 
+@pytest.mark.parametrize("schedule", ["fused", "reference"])
 @pytest.mark.parametrize("mode", ["chain", "single"])
 @pytest.mark.parametrize("n_max", [1, 2, 3])
 @pytest.mark.parametrize("files", ["embedded", "split"])
-def test_speculative_equals_greedy(tiny, greedy_reference, mode, n_max, files):
+def test_speculative_equals_greedy(tiny, greedy_reference, mode, n_max, files, schedule):
     kw = {"mtp_model": tiny["mtp"]} if files == "split" else {}
     model = tiny["trunk"] if files == "split" else tiny["embedded"]
-    with Engine(model, mode=mode, n_max=n_max, n_ctx=512, **kw) as eng:
+    with Engine(model, mode=mode, n_max=n_max, n_ctx=512, schedule=schedule, debug=True, **kw) as eng:
         out = eng.generate(PROMPT, n_predict=N, temperature=0)
     assert out.tokens == greedy_reference.tokens
     assert out.text == greedy_reference.text
@@ -42,25 +43,32 @@ def test_speculative_equals_greedy(tiny, greedy_reference, mode, n_max, files):
         assert st.drafted_per_depth[depth] == 0
 
 
-def test_chain_caps_draft_length_at_head_count_and_counts_decodes(tiny, greedy_reference):
-    with Engine(tiny["embedded"], mode="chain", n_max=8, n_ctx=512) as eng:
+@pytest.mark.parametrize("schedule", ["fused", "reference"])
+def test_chain_caps_draft_length_at_head_count_and_counts_decodes(tiny, greedy_reference, schedule):
+    with Engine(tiny["embedded"], mode="chain", n_max=8, n_ctx=512, schedule=schedule) as eng:
         assert eng.driver.n_draft == 3
         out = eng.generate(PROMPT, n_predict=N, temperature=0)
     st = out.stats
     assert out.tokens == greedy_reference.tokens
     assert st.n_drafted == 3 * st.n_rounds
-    # per round: 3 draft decodes, 1 target decode, 3 process decodes; + the prompt
     assert st.n_target_decodes == st.n_rounds + 1
-    assert st.n_draft_decodes == 6 * st.n_rounds + 3
+    if schedule == "reference":
+        # per round: 3 draft decodes, 1 target decode, 3 process decodes; + the prompt's
+        assert st.n_draft_decodes == 6 * st.n_rounds + 3
+    else:
+        # per round: one decode per head; the prompt rides along with the first ones
+        assert st.n_draft_decodes == 3 * st.n_rounds
 
 
-def test_single_mode_loops_head_zero(tiny, greedy_reference):
-    with Engine(tiny["embedded"], mode="single", n_max=5, n_ctx=512) as eng:
+@pytest.mark.parametrize("schedule", ["fused", "reference"])
+def test_single_mode_loops_head_zero(tiny, greedy_reference, schedule):
+    with Engine(tiny["embedded"], mode="single", n_max=5, n_ctx=512, schedule=schedule) as eng:
         out = eng.generate(PROMPT, n_predict=N, temperature=0)
     st = out.stats
     assert out.tokens == greedy_reference.tokens
     assert st.n_drafted == 5 * st.n_rounds
-    assert st.n_draft_decodes == 6 * st.n_rounds + 1  # 5 drafts + 1 process
+    per_round = 6 if schedule == "reference" else 5  # 5 drafts (+ 1 process)
+    assert st.n_draft_decodes == per_round * st.n_rounds + (schedule == "reference")
 
 
 def test_p_min_and_n_min(tiny, greedy_reference):
@@ -73,14 +81,27 @@ def test_p_min_and_n_min(tiny, greedy_reference):
     assert out.tokens == greedy_reference.tokens and out.stats.n_drafted == 0
 
 
-def test_long_prompt_in_chunks(tiny):
+@pytest.mark.parametrize("n_batch,n_ubatch", [(16, 16), (16, 8), (7, 5)])
+def test_long_prompt_in_chunks(tiny, n_batch, n_ubatch):
     prompt = PROMPT * 6
     outs = {}
-    for mode in ("none", "chain"):
-        with Engine(tiny["embedded"], mode=mode, n_ctx=1024, n_batch=16, n_ubatch=16) as eng:
+    for mode, schedule in (("none", "fused"), ("chain", "fused"), ("chain", "reference"), ("single", "fused")):
+        with Engine(tiny["embedded"], mode=mode, schedule=schedule, n_ctx=1024, n_batch=n_batch,
+                    n_ubatch=n_ubatch, debug=True) as eng:
             assert len(eng.tokenize(prompt)) > 48
-            outs[mode] = eng.generate(prompt, n_predict=24, temperature=0).tokens
-    assert outs["chain"] == outs["none"]
+            outs[mode, schedule] = eng.generate(prompt, n_predict=24, temperature=0).tokens
+    assert len(set(map(tuple, outs.values()))) == 1, outs
+
+
+def test_prompt_near_the_context_limit(tiny):
+    with Engine(tiny["embedded"], mode="none", n_ctx=256) as eng:
+        n_ctx = eng.n_ctx
+        base = eng.tokenize(PROMPT * 40)[: n_ctx - 3]
+        want = eng.generate(base, n_predict=-1, temperature=0)
+    for mode in ("chain", "single"):
+        with Engine(tiny["embedded"], mode=mode, n_ctx=256, debug=True) as eng:
+            out = eng.generate(base, n_predict=-1, temperature=0)
+        assert out.tokens == want.tokens and out.finish_reason == want.finish_reason
 
 
 def test_stream_equals_generate_and_stops(tiny):
@@ -201,3 +222,39 @@ def test_acceptance_per_depth_is_what_the_heads_predict(tmp_path_factory, mode, 
     assert st.drafted_per_depth == drafted
     assert st.accepted_per_depth == accepted
     assert 0 < st.n_accepted < st.n_drafted  # partial agreement, as the maps say
+
+
+@pytest.mark.parametrize("mode,n_max", [("chain", 1), ("chain", 2), ("chain", 3), ("single", 2), ("single", 3)])
+@pytest.mark.parametrize("files", ["embedded", "split"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_fused_schedule_drafts_what_the_reference_drafts(tmp_path_factory, tiny, mode, n_max, files, sampling):
+    """Round by round: same drafts, same draft probabilities (to 1e-4, seen up to 2e-5: the fused decodes
+    carry more rows, so float32 sums may differ in the last bits), same accepted counts,
+    same output. Uses the agree model (real acceptance) and the random split pair."""
+    from stepmtp.tiny import write_agree_model
+
+    if files == "split":
+        model, kw = tiny["trunk"], {"mtp_model": tiny["mtp"]}
+    else:
+        model, kw = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0], {}
+    samp = dict(temperature=0) if sampling == "greedy" else dict(temperature=0.9, seed=3, top_k=8)
+    runs = {}
+    for schedule in ("reference", "fused"):
+        with Engine(model, mode=mode, n_max=n_max, n_ctx=512, schedule=schedule, debug=True, **kw) as eng:
+            runs[schedule] = eng.generate(PROMPT, n_predict=64, **samp)
+    ref, fused = runs["reference"].trace, runs["fused"].trace
+    assert len(ref) == len(fused) > 0
+    for a, b in zip(ref, fused):
+        assert (a.pos, a.drafts, a.n_accepted, a.out) == (b.pos, b.drafts, b.n_accepted, b.out)
+        assert a.probs == pytest.approx(b.probs, abs=1e-4)
+        # the change's schedule leaves every head's cells through r+n (its process);
+        # the fused one anchors each head used through r and leaves at most the last
+        # head's chained rows beyond (removed before any head reads them)
+        assert a.draft_cells == (0, a.pos + len(a.drafts))
+        heads = range(min(n_max, 3)) if mode == "chain" else range(1)
+        assert all(b.kv_valid[k] == b.pos + 1 for k in heads)
+        assert b.draft_cells[0] == 0 and b.pos <= b.draft_cells[1] <= b.pos + max(len(b.drafts), 1)
+    assert runs["reference"].tokens == runs["fused"].tokens
+    sr, sf = runs["reference"].stats, runs["fused"].stats
+    assert sr.accepted_per_depth == sf.accepted_per_depth
+    assert sf.n_draft_decodes < sr.n_draft_decodes

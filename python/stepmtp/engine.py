@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
 from .llama import Context, Model, default_threads
-from .mtp import MTPDriver, Mode, SeqState, SpecConfig
+from .mtp import MTPDriver, Mode, RoundTrace, Schedule, SeqState, SpecConfig
 from .sampling import Sampler, SamplingParams
 from .stats import GenStats
 
@@ -48,6 +48,8 @@ class Completion:
     stopping_word: str = ""
     prompt_tokens: list[int] = field(default_factory=list)
     stats: GenStats = field(default_factory=GenStats)
+    #: debug mode only: what each round drafted and accepted
+    trace: list[RoundTrace] | None = None
 
 
 class _TextAssembler:
@@ -102,12 +104,15 @@ class Engine:
         model: the target GGUF (trunk, with the MTP blocks embedded or not).
         mtp_model: a separate MTP-only GGUF with the heads (llama-server's
             ``--spec-draft-model``); by default the heads come from ``model``.
-        mode, n_max, n_min, p_min: speculation (see ``SpecConfig``); or pass ``spec``.
+        mode, n_max, n_min, p_min, schedule: speculation (see ``SpecConfig``); or pass
+            ``spec``.
         n_ctx: context size (0: the model's). n_batch, n_ubatch: as ``-b``/``-ub``.
         n_threads, n_threads_batch: CPU threads (default: all this process may use).
         n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all.
         seed: default seed of the samplers (a request's own seed wins).
         progress: show loading progress on stderr.
+        debug: check the driver's invariant (pending_h == h_tgt(pos(id_last) - 1))
+            every round; slow. Also on with the environment variable STEPMTP_DEBUG=1.
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class Engine:
         n_max: int = 3,
         n_min: int = 0,
         p_min: float = 0.0,
+        schedule: Schedule = "fused",
         spec: SpecConfig | None = None,
         n_ctx: int = 4096,
         n_batch: int = 2048,
@@ -130,8 +136,9 @@ class Engine:
         seed: int = -1,
         flash_attn: bool | None = None,
         progress: bool = False,
+        debug: bool = False,
     ) -> None:
-        self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min)
+        self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule)
         self.seed = seed
         self._lock = threading.Lock()
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress)
@@ -154,11 +161,17 @@ class Engine:
                             f"{mtp_model}: vocabulary of {self.draft_model.n_vocab} tokens, "
                             f"the target has {self.model.n_vocab}"
                         )
+                    if self.draft_model.n_embd != self.model.n_embd:
+                        raise ValueError(
+                            f"{mtp_model}: hidden rows of width {self.draft_model.n_embd}, "
+                            f"the target's are {self.model.n_embd}"
+                        )
                 else:
                     self.draft_model = self.model
                 ctx_kw["n_ctx"] = self.target.n_ctx
                 self.draft = Context(self.draft_model, mtp=True, **ctx_kw)
-            self.driver = MTPDriver(self.target, self.draft, self.spec)
+            debug = debug or os.environ.get("STEPMTP_DEBUG", "") not in ("", "0")
+            self.driver = MTPDriver(self.target, self.draft, self.spec, debug=debug)
         except BaseException:
             self.close()
             raise
@@ -224,6 +237,8 @@ class Engine:
 
     def _run(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
              sampling: SamplingParams | None, sampling_kw: dict[str, Any]) -> Iterator[Chunk]:
+        if isinstance(n_predict, bool) or not isinstance(n_predict, int) or n_predict < -1:
+            raise ValueError(f"n_predict must be -1 (no limit), 0 (prompt only) or positive, not {n_predict!r}")
         params = sampling or SamplingParams()
         if sampling_kw:
             params = params.with_(**sampling_kw)
@@ -285,4 +300,5 @@ class Engine:
                 stopping_word=asm.stopping_word,
                 prompt_tokens=prompt_tokens,
                 stats=s.stats,
+                trace=s.trace,
             )

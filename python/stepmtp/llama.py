@@ -558,6 +558,10 @@ class Context:
         if not lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
             raise LlamaError(f"could not remove positions [{p0}, {p1}) of sequence {seq}")
 
+    def seq_pos_min(self, seq: int = 0) -> int:
+        """The first position held for a sequence, -1 when empty."""
+        return lib.llama_memory_seq_pos_min(self._mem, seq)
+
     def seq_pos_max(self, seq: int = 0) -> int:
         """The last position held for a sequence, -1 when empty."""
         return lib.llama_memory_seq_pos_max(self._mem, seq)

@@ -24,6 +24,9 @@ class GenStats:
     n_rounds: int = 0
     n_target_decodes: int = 0
     n_draft_decodes: int = 0
+    #: rows (tokens) those decodes carried
+    n_target_rows: int = 0
+    n_draft_rows: int = 0
     t_prompt_ms: float = 0.0
     t_gen_ms: float = 0.0
     #: time inside llama.cpp calls (decodes and reading their outputs), prompt and generation
