@@ -258,3 +258,74 @@ def test_fused_schedule_drafts_what_the_reference_drafts(tmp_path_factory, tiny,
     sr, sf = runs["reference"].stats, runs["fused"].stats
     assert sr.accepted_per_depth == sf.accepted_per_depth
     assert sf.n_draft_decodes < sr.n_draft_decodes
+
+
+def test_statistics_add_up(tiny):
+    from stepmtp.tiny import write_agree_model
+
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    st = out.stats
+    assert st.n_accepted <= st.n_drafted
+    # the first token comes from the prompt, each round emits its accepted drafts and
+    # one more; the last round may emit past n_predict (cut)
+    emitted = 1 + st.n_accepted + st.n_rounds
+    assert emitted - 3 <= st.n_predicted <= emitted
+    assert st.n_prompt == len(out.prompt_tokens)
+    assert st.t_llama_ms > 0 and 0 <= st.t_python_ms < st.t_prompt_ms + st.t_gen_ms
+
+
+def test_mismatched_mtp_files_and_missing_heads(tmp_path, tiny):
+    from dataclasses import replace
+
+    from stepmtp import LlamaError
+    from stepmtp.tiny import CONFIG, write_tiny_models
+
+    narrow = write_tiny_models(tmp_path / "narrow", seed=1, cfg=replace(CONFIG, n_embd=32))
+    with pytest.raises(ValueError, match="width 32"):
+        Engine(tiny["trunk"], mtp_model=narrow["mtp"], n_ctx=256)
+    with pytest.raises(LlamaError, match="no MTP blocks"):
+        Engine(tiny["nomtp"], mode="chain", n_ctx=256)
+    with pytest.raises(LlamaError, match="trunk-only"):
+        Engine(tiny["trunk"], mode="chain", n_ctx=256)
+    with Engine(tiny["nomtp"], mode="none", n_ctx=256) as eng:  # plain decoding still works
+        assert len(eng.generate(PROMPT, n_predict=8, temperature=0).tokens) == 8
+    with pytest.raises(ValueError, match="n_predict"):
+        with Engine(tiny["embedded"], n_ctx=256) as eng:
+            eng.generate(PROMPT, n_predict=-5)
+
+
+def test_sampling_is_not_biased_by_verification(tmp_path_factory):
+    """At temperature > 0 each emitted token is drawn from the target's distribution:
+    the first three tokens' joint counts over many seeds match plain sampling
+    (chi-square, p > 0.001). On the agree model at a high temperature, with 3
+    candidates per step, drafts are accepted about half the time, so both the
+    accepting and the rejecting paths are exercised."""
+    from scipy.stats import chi2_contingency
+
+    from stepmtp.tiny import write_agree_model
+
+    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+    samp = dict(temperature=25.0, top_k=3, top_p=1.0, min_p=0.0)
+    counts, accepted = {}, 0
+    for mode in ("none", "chain"):
+        hist: dict[tuple[int, ...], int] = {}
+        with Engine(path, mode=mode, n_ctx=256) as eng:
+            prompt = eng.tokenize("def f")
+            for seed in range(250):
+                out = eng.generate(prompt, n_predict=3, seed=seed, **samp)
+                hist[tuple(out.tokens)] = hist.get(tuple(out.tokens), 0) + 1
+                accepted += out.stats.n_accepted
+        counts[mode] = hist
+    assert accepted > 150
+    keys = sorted(set(counts["none"]) | set(counts["chain"]))
+    # pool rare outcomes so every cell has a usable expectation
+    big = [k for k in keys if counts["none"].get(k, 0) + counts["chain"].get(k, 0) >= 10]
+    table = [[counts[m].get(k, 0) for k in big] for m in ("none", "chain")]
+    rest = [sum(counts[m].get(k, 0) for k in keys if k not in big) for m in ("none", "chain")]
+    if sum(rest):
+        for row, r in zip(table, rest):
+            row.append(r)
+    assert len(big) >= 4
+    p = chi2_contingency(table)[1]
+    assert p > 1e-3, (p, table)
