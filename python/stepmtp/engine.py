@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
 from .llama import Context, Model, default_threads
-from .mtp import MTPDriver, Mode, RoundTrace, Schedule, SeqState, SpecConfig
+from .mtp import MTPDriver, Mode, RoundTrace, Schedule, SeqState, SpecConfig, Verify
 from .sampling import Sampler, SamplingParams
 from .stats import GenStats
 
@@ -104,8 +104,8 @@ class Engine:
         model: the target GGUF (trunk, with the MTP blocks embedded or not).
         mtp_model: a separate MTP-only GGUF with the heads (llama-server's
             ``--spec-draft-model``); by default the heads come from ``model``.
-        mode, n_max, n_min, p_min, schedule: speculation (see ``SpecConfig``); or pass
-            ``spec``.
+        mode, n_max, n_min, p_min, schedule, verify: speculation (see ``SpecConfig``);
+            or pass ``spec``.
         n_ctx: context size (0: the model's). n_batch, n_ubatch: as ``-b``/``-ub``.
         n_threads, n_threads_batch: CPU threads (default: all this process may use).
         n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all.
@@ -125,6 +125,7 @@ class Engine:
         n_min: int = 0,
         p_min: float = 0.0,
         schedule: Schedule = "fused",
+        verify: Verify = "auto",
         spec: SpecConfig | None = None,
         n_ctx: int = 4096,
         n_batch: int = 2048,
@@ -138,7 +139,8 @@ class Engine:
         progress: bool = False,
         debug: bool = False,
     ) -> None:
-        self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule)
+        self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule,
+                                       verify=verify)
         self.seed = seed
         self._lock = threading.Lock()
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress)
@@ -219,10 +221,12 @@ class Engine:
     # -- generation ---------------------------------------------------------------
 
     def generate(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
-                 sampling: SamplingParams | None = None, **sampling_kw: Any) -> Completion:
+                 sampling: SamplingParams | None = None, verify: Verify | None = None,
+                 **sampling_kw: Any) -> Completion:
         """Generate a completion. ``sampling_kw`` are SamplingParams fields
-        (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...)."""
-        gen = self._run(prompt, n_predict, stop, sampling, sampling_kw)
+        (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...); ``verify``
+        overrides the engine's verification (exact, rejection, auto) for this request."""
+        gen = self._run(prompt, n_predict, stop, sampling, sampling_kw, verify)
         while True:
             try:
                 next(gen)
@@ -230,13 +234,18 @@ class Engine:
                 return done.value
 
     def stream(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
-               sampling: SamplingParams | None = None, **sampling_kw: Any) -> Iterator[Chunk]:
+               sampling: SamplingParams | None = None, verify: Verify | None = None,
+               **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
         return value (``StopIteration.value``) is the Completion."""
-        return self._run(prompt, n_predict, stop, sampling, sampling_kw)
+        return self._run(prompt, n_predict, stop, sampling, sampling_kw, verify)
 
     def _run(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
-             sampling: SamplingParams | None, sampling_kw: dict[str, Any]) -> Iterator[Chunk]:
+             sampling: SamplingParams | None, sampling_kw: dict[str, Any],
+             verify: Verify | None = None) -> Iterator[Chunk]:
+        verify = verify or self.spec.verify
+        if verify not in ("auto", "exact", "rejection"):
+            raise ValueError(f"unknown verification {verify!r} (auto, exact, rejection)")
         if isinstance(n_predict, bool) or not isinstance(n_predict, int) or n_predict < -1:
             raise ValueError(f"n_predict must be -1 (no limit), 0 (prompt only) or positive, not {n_predict!r}")
         params = sampling or SamplingParams()
@@ -254,12 +263,13 @@ class Engine:
             raise ValueError("the prompt is empty")
         if isinstance(stop, str):
             stop = [stop]
-        return self._generate(prompt_tokens, n_predict, list(stop), params)
+        rejection = verify != "exact" and not params.greedy and self.driver.speculate
+        return self._generate(prompt_tokens, n_predict, list(stop), params, rejection)
 
     def _generate(self, prompt_tokens: list[int], n_predict: int, stop: list[str],
-                  params: SamplingParams) -> Iterator[Chunk]:
+                  params: SamplingParams, rejection: bool) -> Iterator[Chunk]:
         with self._lock:
-            s = SeqState(seq_id=0, sampler=Sampler(params))
+            s = SeqState(seq_id=0, sampler=Sampler(params), rejection=rejection)
             asm = _TextAssembler(stop)
             out_tokens: list[int] = []
             stop_type: StopType = "none"

@@ -56,13 +56,14 @@ from typing import Literal
 import numpy as np
 
 from .llama import Batch, Context
-from .sampling import Sampler, draft_pick
+from .sampling import Sampler, draft_pick, verify_rejection
 from .stats import GenStats
 
-__all__ = ["SpecConfig", "SeqState", "RoundTrace", "MTPDriver", "Mode", "Schedule"]
+__all__ = ["SpecConfig", "SeqState", "RoundTrace", "MTPDriver", "Mode", "Schedule", "Verify"]
 
 Mode = Literal["chain", "single", "none"]
 Schedule = Literal["fused", "reference"]
+Verify = Literal["auto", "exact", "rejection"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class SpecConfig:
     schedule: ``fused`` (process the accepted rows inside the next draft decodes) or
         ``reference`` (the change's schedule: a process decode per head per round).
         Both draft the same tokens.
+    verify: ``exact`` (drafts are the heads' argmax; the target's sample must equal
+        them), ``rejection`` (drafts drawn from the heads' distributions, accepted
+        with probability min(1, p/q), residual resampling), or ``auto``: rejection
+        above temperature 0. At temperature 0 both are greedy exact match.
     """
 
     mode: Mode = "chain"
@@ -83,10 +88,13 @@ class SpecConfig:
     n_min: int = 0
     p_min: float = 0.0
     schedule: Schedule = "fused"
+    verify: Verify = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "single", "none"):
             raise ValueError(f"unknown speculation mode {self.mode!r} (chain, single, none)")
+        if self.verify not in ("auto", "exact", "rejection"):
+            raise ValueError(f"unknown verification {self.verify!r} (auto, exact, rejection)")
         if self.schedule not in ("fused", "reference"):
             raise ValueError(f"unknown schedule {self.schedule!r} (fused, reference)")
         if self.n_max < 0 or self.n_min < 0:
@@ -151,6 +159,8 @@ class SeqState:
     id_last: int = -1
     pending_h: np.ndarray | None = None  # h_tgt(pos - 1)
     stats: GenStats = field(default_factory=GenStats)
+    #: verify by rejection sampling (drafts drawn from the heads' distributions)
+    rejection: bool = False
     #: fused schedule: head k is anchored on positions [0, kv_valid[k])
     kv_valid: list[int] = field(default_factory=list)
     anchors: _Anchors | None = None
@@ -212,6 +222,8 @@ class MTPDriver:
         # fused schedule: the heads' output rows out_0 .. out_{n-1} of the current round
         self._chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
         self._probs = [0.0] * max(1, self.n_draft)
+        # rejection sampling: the distributions the round's drafts were drawn from
+        self._q = np.zeros((max(1, self.n_draft), target.n_vocab), dtype=np.float64)
 
     # -- timing: what runs inside llama.cpp, so the rest is Python's share ------
 
@@ -307,14 +319,21 @@ class MTPDriver:
                 # process: re-anchor every head on the trunk rows, right-shifted by one
                 self._process(s, [s.id_last, *drafts], r, verify_h, n_rows=n + 1)
 
-        # accept: the target's samples, while they equal the drafts
-        out: list[int] = []
-        for i in range(n + 1):
-            tok = s.sampler.sample(logits[i], s.tokens)
-            out.append(tok)
-            s.tokens.append(tok)
-            if i == n or tok != drafts[i]:
-                break
+        # accept: the target's samples while they equal the drafts, or rejection sampling
+        if s.rejection:
+            hist = s.tokens
+            out = verify_rejection(
+                s.sampler, lambda i: s.sampler.dense(logits[i], hist + drafts[:i]), drafts, self._q[:n]
+            )
+            s.tokens.extend(out)
+        else:
+            out = []
+            for i in range(n + 1):
+                tok = s.sampler.sample(logits[i], s.tokens)
+                out.append(tok)
+                s.tokens.append(tok)
+                if i == n or tok != drafts[i]:
+                    break
         a = len(out) - 1
         if self.speculate:
             s.pending_h = verify_h[a].copy()
@@ -357,7 +376,7 @@ class MTPDriver:
                 else:
                     b.fill([drafts[-1]], r + i, s.seq_id, outputs="last", embd=h_prev[None, :])
             self._decode(d, b, s)
-            tok, p, h_prev = self._pick(s)
+            tok, p, h_prev = self._pick(s, i, drafts)
             if p < self.spec.p_min:
                 break
             self._probs[i] = p
@@ -406,7 +425,7 @@ class MTPDriver:
                 # single: head 0's own KV holds the round's earlier rows
                 b.fill([drafts[-1]], r + i, s.seq_id, outputs="last", embd=h_prev[None, :])
             self._decode(d, b, s)
-            tok, p, h_prev = self._pick(s)
+            tok, p, h_prev = self._pick(s, i, drafts)
             if p < self.spec.p_min:
                 break
             self._probs[i] = p
@@ -441,12 +460,20 @@ class MTPDriver:
         b.logits[i - 1], b.logits[i] = 0, 1
         b.embd[i] = h
 
-    def _pick(self, s: SeqState) -> tuple[int, float, np.ndarray]:
-        """The draft token of the last decode, its probability, and its hidden row."""
+    def _pick(self, s: SeqState, i: int, drafts: list[int]) -> tuple[int, float, np.ndarray]:
+        """Draft token i from the last decode, its probability, and its hidden row."""
         t0 = time.perf_counter()
-        tok, p = draft_pick(self.draft.logits(-1))
+        logits = self.draft.logits(-1)
         h = self.draft.nextn(1)[0].copy()
         s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
+        if s.rejection:
+            # drawn from the head's distribution under the request's settings; q kept
+            # for verification
+            q = self._q[i]
+            q[:] = s.sampler.dense(logits, s.tokens + drafts if s.sampler.penalizes else s.tokens)
+            tok = s.sampler.draw(q)
+            return tok, float(q[tok]), h
+        tok, p = draft_pick(logits)
         return tok, p, h
 
     def _log_h(self, s: SeqState, p0: int, h: np.ndarray) -> None:

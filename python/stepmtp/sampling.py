@@ -4,17 +4,19 @@ The target's sampler (``Sampler``) applies, as llama.cpp's default chain does:
 repetition penalties, then top-k, top-p, min-p, temperature, and a seeded draw; at
 temperature <= 0 it is greedy (argmax after the penalties). Draft tokens are picked
 as llama-server's MTP drafter does (``draft_pick``): the most likely token, with its
-probability among the 10 best, which ``p_min`` is compared against.
+probability among the 10 best, which ``p_min`` is compared against; or, for
+rejection sampling, drawn from the head's distribution under the request's own
+settings (``Sampler.dense``), and verified by ``verify_rejection``.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "draft_pick"]
+__all__ = ["SamplingParams", "Sampler", "draft_pick", "verify_rejection"]
 
 DRAFT_TOP_K = 10
 
@@ -69,6 +71,11 @@ class Sampler:
         self._penalize = (
             p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         ) and p.repeat_last_n != 0
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the history changes the distribution (repetition penalties)."""
+        return self._penalize
 
     def _penalties(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         p = self.params
@@ -127,7 +134,48 @@ class Sampler:
         if self.params.greedy:
             return int(np.argmax(self.transform(logits, history)))
         ids, probs = self.distribution(logits, history)
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return int(ids[self.draw(probs)])
+
+    def dense(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """The whole chain's distribution over the vocabulary (float64, sums to 1);
+        one-hot at the argmax when greedy."""
+        out = np.zeros(logits.shape[0], dtype=np.float64)
+        if self.params.greedy:
+            out[int(np.argmax(self.transform(logits, history)))] = 1.0
+        else:
+            ids, probs = self.distribution(logits, history)
+            out[ids] = probs
+        return out
+
+    def draw(self, probs: np.ndarray) -> int:
+        """An index drawn from a probability vector (need not be normalised)."""
+        c = np.cumsum(probs)
+        return int(min(np.searchsorted(c, self.rng.random() * c[-1], side="right"), len(c) - 1))
+
+
+def verify_rejection(sampler: Sampler, p_row: Callable[[int], np.ndarray], drafts: Sequence[int],
+                     q_rows: np.ndarray) -> list[int]:
+    """Speculative sampling: accept draft i with probability min(1, p_i(d_i) / q_i(d_i));
+    at the first rejection draw from the normalised residual max(0, p_i - q_i); when
+    every draft is accepted, draw a bonus token from p_n. The tokens returned are
+    distributed exactly as sampling from p token by token.
+
+    ``p_row(i)`` (i = 0..n) is the target's distribution at row i (``Sampler.dense``;
+    asked for only while the drafts before it are accepted), ``q_rows[i]`` the
+    distribution draft i was drawn from.
+    """
+    out: list[int] = []
+    n = len(drafts)
+    for i in range(n):
+        p, q, d = p_row(i), q_rows[i], drafts[i]
+        if sampler.rng.random() * q[d] < p[d]:
+            out.append(d)
+            continue
+        resid = np.maximum(p - q, 0.0)
+        out.append(sampler.draw(resid) if resid.sum() > 0 else sampler.draw(p))
+        return out
+    out.append(sampler.draw(p_row(n)))
+    return out
 
 
 def draft_pick(logits: np.ndarray) -> tuple[int, float]:
