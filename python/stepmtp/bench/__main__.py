@@ -1,0 +1,301 @@
+"""``python -m stepmtp.bench``: acceptance and tokens per second of the MTP heads, and a
+regression gate on them.
+
+Runs a prompt set (the change's nine categories, 192 tokens each, temperature 0 by
+default) in-process, against a server URL, or against servers it starts itself; prints
+per prompt ``pred= draft= acc= rate= tok/s=`` and the aggregate JSON in the change's
+layout; with ``--compare`` runs several configurations interleaved prompt by prompt and
+reports ratios; with ``--baseline`` compares with a committed baseline and exits
+non-zero on a regression.
+
+Exit status: 0 ok, 1 regression against the baseline, 2 usage error, 3 the
+configurations' outputs differ at temperature 0, 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import gate as G
+from . import report as R
+from .harness import BenchRun, run_bench
+from .model import BENCH_MODEL_MB, DEFAULT_MODEL, MODEL_NAMES, bench_model, file_sha256, resolve_model
+from .prompts import load_prompts
+from .runners import (COMPARE_CONFIGS, COMPARE_CPP_CONFIGS, BenchConfig, EngineRunner, Runner, ServerRunner,
+                      URLRunner, find_llama_server, parse_configs)
+
+PROG = "python -m stepmtp.bench"
+
+#: settings a baseline carries, so that --baseline FILE alone reruns them
+BASELINE_SETTINGS = ("model", "bench_model_mb", "prompts", "categories", "limit", "n_predict", "configs",
+                     "threads", "ctx_size", "repeat", "warmup")
+BUILTIN = {"model": None, "bench_model_mb": None, "prompts": None, "categories": None, "limit": None,
+           "n_predict": None, "configs": None, "threads": None, "ctx_size": 2048, "repeat": 1, "warmup": 1}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    g = ap.add_argument_group("model")
+    g.add_argument("-m", "--model", default=None,
+                   help=f"target GGUF, or {' / '.join(MODEL_NAMES)} (default: {DEFAULT_MODEL})")
+    g.add_argument("-md", "--spec-draft-model", dest="mtp_model", help="a separate MTP-only GGUF with the heads")
+    g.add_argument("--bench-model", dest="bench_model_mb", nargs="?", type=float, const=BENCH_MODEL_MB,
+                   default=None, metavar="MB",
+                   help="run on a widened variant of the model (zero-weight FFN channels: same predictions, "
+                        f"memory-bound decode), made once and cached (default size {BENCH_MODEL_MB} MB)")
+    g = ap.add_argument_group("prompts")
+    g.add_argument("--prompts", default=None, metavar="FILE", help="prompt set, JSON or JSONL (default: the "
+                   "package's prompts/default.json)")
+    g.add_argument("--categories", default=None, help="comma-separated categories to run (default: all)")
+    g.add_argument("--limit", type=int, default=None, help="run the first N prompts only")
+    g.add_argument("-n", "--n-predict", type=int, default=None, help="tokens per prompt (default: the set's)")
+    g = ap.add_argument_group("where")
+    g.add_argument("--url", help="a running llama-server-compatible server (its own settings apply)")
+    g.add_argument("--server", action="store_true",
+                   help="start `python -m stepmtp.server` for each configuration instead of running in-process")
+    g.add_argument("--llama-server", metavar="PATH", default=None,
+                   help="the vendored C++ llama-server (single-block MTP) to compare with; 'auto': the one "
+                        "installed with the package. --compare adds it by itself when installed")
+    g.add_argument("--no-llama-server", action="store_true", help="--compare without the C++ llama-server")
+    g.add_argument("--api-key", help="for --url")
+    g = ap.add_argument_group("configurations")
+    g.add_argument("--mode", "--mtp-mode", dest="mode", choices=["chain", "single", "none"], default="chain")
+    g.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=3)
+    g.add_argument("--schedule", choices=["fused", "reference"], default="fused")
+    g.add_argument("--compare", action="store_true",
+                   help=f"run {', '.join(COMPARE_CONFIGS)} (and {', '.join(COMPARE_CPP_CONFIGS)} with a "
+                        "llama-server) interleaved, and compare")
+    g.add_argument("--configs", default=None,
+                   help="comma-separated configurations, e.g. none,single-2,chain-3,chain-3-ref,cpp-single-2")
+    g = ap.add_argument_group("run")
+    g.add_argument("--repeat", type=int, default=None, help="run each prompt N times and keep the best times (default 1)")
+    g.add_argument("--warmup", type=int, default=None, help="short warm-up requests per configuration (default 1)")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all usable)")
+    g.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 2048)")
+    g.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    g.add_argument("-q", "--quiet", action="store_true", help="no per-prompt blocks, no progress")
+    g = ap.add_argument_group("output")
+    g.add_argument("--out", metavar="DIR", help="write bench.json, bench.md and bench.png there")
+    g.add_argument("--json", metavar="FILE", help="the machine-readable results ('-': stdout)")
+    g.add_argument("--markdown", metavar="FILE", help="the comparison table")
+    g.add_argument("--chart", metavar="FILE", help="the PNG chart (needs matplotlib: pip install 'stepmtp[bench]')")
+    g = ap.add_argument_group("regression gate")
+    g.add_argument("--baseline", metavar="FILE",
+                   help="compare with this baseline (its settings are the defaults); non-zero exit on regression")
+    g.add_argument("--update-baseline", action="store_true", help="write this run as the baseline")
+    g.add_argument("--tolerance", type=float, default=None,
+                   help=f"speed ratios may fall this much (relative) below the baseline's "
+                        f"(default: the baseline's, else {G.DEFAULT_TOLERANCE})")
+    return ap
+
+
+def _settings(args: argparse.Namespace, baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """Explicit flags, else the baseline's settings, else the built-in defaults."""
+    base = (baseline or {}).get("settings") or {}
+    out = {}
+    for k in BASELINE_SETTINGS:
+        v = getattr(args, k)
+        out[k] = v if v is not None else base.get(k, BUILTIN[k])
+    return out
+
+
+def _configs(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | None) -> list[BenchConfig]:
+    if args.url:
+        return [BenchConfig(mode="none", n_max=0, backend="url")]
+    if s["configs"]:
+        cfgs = parse_configs(s["configs"])
+    elif args.compare:
+        cfgs = parse_configs(COMPARE_CONFIGS)
+        if llama_server is not None:
+            cfgs += parse_configs(COMPARE_CPP_CONFIGS)
+    else:
+        cfgs = [BenchConfig(mode=args.mode, n_max=args.n_max if args.mode != "none" else 0,
+                            schedule=args.schedule)]
+    if args.server:
+        out = []
+        for c in cfgs:
+            if c.backend == "engine":
+                if c.schedule != "fused":
+                    print(f"bench: {c.label} skipped: the server runs the fused schedule only", file=sys.stderr)
+                    continue
+                c = BenchConfig(mode=c.mode, n_max=c.n_max, schedule=c.schedule, backend="server")
+            out.append(c)
+        cfgs = out
+    return cfgs
+
+
+def _model_info(spec: str | None, path: Path, bench_mb: float | None) -> dict[str, Any]:
+    info: dict[str, Any] = {"name": Path(spec).name if spec and spec not in MODEL_NAMES else (spec or DEFAULT_MODEL),
+                            "path": str(path), "size_bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    if bench_mb:
+        info["name"] += f" (widened to {bench_mb:.0f} MB)"
+        info["bench_model_mb"] = bench_mb
+    try:
+        import gguf
+
+        r = gguf.GGUFReader(str(path))
+        if "general.name" in r.fields:
+            info["description"] = str(r.fields["general.name"].contents())
+    except Exception:  # noqa: BLE001 - informative only
+        pass
+    return info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    baseline = None
+    if args.baseline and Path(args.baseline).is_file():
+        try:
+            baseline = G.load_baseline(args.baseline)
+        except (ValueError, json.JSONDecodeError) as e:
+            ap.error(str(e))
+    elif args.baseline and not args.update_baseline:
+        ap.error(f"{args.baseline}: no such baseline (make it with --update-baseline)")
+    if args.update_baseline and not args.baseline:
+        ap.error("--update-baseline needs --baseline FILE")
+    if args.url and (args.compare or args.configs or args.server):
+        ap.error("--url runs the server as it is configured: no --compare, --configs or --server with it")
+    s = _settings(args, baseline)
+    quiet = args.quiet
+    progress = not (args.quiet or args.no_progress)
+
+    # SIGTERM unwinds like Ctrl-C, so servers we started are stopped
+    def _term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+
+    llama_server: Path | None = None
+    if args.llama_server and args.llama_server != "auto":
+        llama_server = Path(args.llama_server)
+        if not llama_server.is_file():
+            ap.error(f"--llama-server {llama_server}: no such file")
+    elif (args.llama_server == "auto" or args.compare) and not args.no_llama_server and not args.url:
+        llama_server = find_llama_server()
+        if llama_server is None and args.llama_server == "auto":
+            ap.error("--llama-server auto: no llama-server installed with the package (build it with "
+                     "CMAKE_ARGS=\"-DSTEPMTP_BUILD_SERVER=on\" pip install .)")
+        if llama_server is not None and progress and not s["configs"]:
+            print(f"bench: comparing with the C++ llama-server {llama_server}", file=sys.stderr)
+    try:
+        cfgs = _configs(args, s, llama_server)
+        prompts = load_prompts(s["prompts"]).select(
+            [c for c in s["categories"].split(",") if c] if s["categories"] else None, s["limit"], s["n_predict"])
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    if not len(prompts):
+        ap.error("no prompt to run")
+    if any(c.backend == "llama-server" for c in cfgs) and llama_server is None:
+        llama_server = find_llama_server()
+        if llama_server is None:
+            ap.error("a cpp-* configuration needs --llama-server PATH")
+
+    runners: list[Runner] = []
+    model_info: dict[str, Any] = {}
+    if args.url:
+        runners = [URLRunner(args.url, api_key=args.api_key)]
+        model_info = {"name": args.url}
+    else:
+        try:
+            path = resolve_model(s["model"])
+            if s["bench_model_mb"]:
+                path = bench_model(path, s["bench_model_mb"], quiet=not progress)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            return 2
+        model_info = _model_info(s["model"], path, s["bench_model_mb"])
+        for c in cfgs:
+            if c.backend == "engine":
+                runners.append(EngineRunner(c, path, mtp_model=args.mtp_model, n_ctx=s["ctx_size"],
+                                            n_threads=s["threads"]))
+            else:
+                runners.append(ServerRunner(c, path, mtp_model=args.mtp_model, n_ctx=s["ctx_size"],
+                                            n_threads=s["threads"], llama_server=llama_server))
+    settings = {**s, "configs": [c.label for c in cfgs], "backend": "url" if args.url else
+                ("server" if args.server else "engine"), "mtp_model": args.mtp_model,
+                "llama_server": str(llama_server) if llama_server else None, "temperature": 0.0}
+    try:
+        run = run_bench(prompts, runners, repeat=s["repeat"], warmup=s["warmup"], settings=settings,
+                        progress=progress)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    run.model = model_info
+    run.environment = R.environment(s["threads"])
+    return report(run, args, baseline)
+
+
+def report(run: BenchRun, args: argparse.Namespace, baseline: dict[str, Any] | None) -> int:
+    quiet = args.quiet
+    if not quiet:
+        for c in run.configs:
+            print(R.config_block(c))
+            print()
+    md = R.markdown(run)
+    if len(run.configs) > 1 or quiet:
+        print(md)
+    doc = R.to_json(run)
+    outs: list[tuple[str, str]] = []
+    if args.out:
+        d = Path(args.out)
+        d.mkdir(parents=True, exist_ok=True)
+        outs = [("json", str(d / "bench.json")), ("markdown", str(d / "bench.md")), ("chart", str(d / "bench.png"))]
+    for kind in ("json", "markdown", "chart"):
+        if getattr(args, kind):
+            outs = [o for o in outs if o[0] != kind] + [(kind, getattr(args, kind))]
+    for kind, dest in outs:
+        if kind == "json":
+            text = json.dumps(doc, indent=2) + "\n"
+            if dest == "-":
+                sys.stdout.write(text)
+            else:
+                Path(dest).write_text(text)
+        elif kind == "markdown":
+            Path(dest).write_text(md)
+        else:
+            why = R.write_chart(run, dest)
+            if why:
+                print(f"bench: {why}", file=sys.stderr)
+                continue
+        if dest != "-":
+            print(f"bench: wrote {dest}", file=sys.stderr)
+
+    status = 0
+    if run.mismatches:
+        bar = "!" * 78
+        print(f"\n{bar}\nMISMATCH: at temperature 0 the configurations produced different text:", file=sys.stderr)
+        for m in run.mismatches:
+            print(f"  {m.category}: {m.label} differs from {m.reference} from character {m.at}", file=sys.stderr)
+        print(bar, file=sys.stderr)
+        status = 3
+    for c in run.configs:
+        if c.unstable:
+            print(f"bench: WARNING {c.label}: repeats disagreed on {', '.join(c.unstable)}", file=sys.stderr)
+
+    if args.baseline:
+        if baseline is not None:
+            rep = G.check(run, baseline, args.tolerance)
+            print(rep.text())
+            if not rep.ok and not args.update_baseline:
+                return 1
+        if args.update_baseline:
+            tol = args.tolerance if args.tolerance is not None else (baseline or {}).get("tolerance",
+                                                                                       G.DEFAULT_TOLERANCE)
+            G.save_baseline(args.baseline, G.make_baseline(run, tol))
+            print(f"bench: baseline written to {args.baseline}", file=sys.stderr)
+            return 0 if not run.mismatches else 3
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

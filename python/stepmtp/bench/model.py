@@ -1,0 +1,100 @@
+"""Which model the bench runs: the default one, named ones, and the widened bench-size one.
+
+``DEFAULT_MODEL`` is the one place that names the default: the tiny agree model
+(generated, heads that partly agree with the trunk) until the bundled trained model
+lands; then set it to ``"bundled"``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["DEFAULT_MODEL", "MODEL_NAMES", "cache_dir", "resolve_model", "bench_model", "file_sha256"]
+
+#: The model ``python -m stepmtp.bench`` runs without ``--model``.
+DEFAULT_MODEL = "tiny-agree"
+
+#: Names ``--model`` accepts besides a path.
+MODEL_NAMES = ("tiny-agree", "bundled")
+
+#: Default size of the widened bench-size model, in MB: well beyond any CPU cache,
+#: so that a single-token decode is memory-bound.
+BENCH_MODEL_MB = 256
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STEPMTP_CACHE_DIR", Path.home() / ".cache" / "stepmtp"))
+
+
+def resolve_model(spec: str | os.PathLike[str] | None = None) -> Path:
+    """A model path from a name (``tiny-agree``, ``bundled``) or a path; None: the default."""
+    spec = DEFAULT_MODEL if spec is None else spec
+    if spec == "tiny-agree":
+        return _tiny_agree()
+    if spec == "bundled":
+        try:
+            from ..models import default_model_path
+        except ImportError as e:  # pragma: no cover - depends on the package's state
+            raise FileNotFoundError(f"no bundled model in this build of stepmtp ({e})") from None
+        return default_model_path()
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"model not found: {path} (a GGUF path, or one of {', '.join(MODEL_NAMES)})")
+    return path
+
+
+def _tiny_agree() -> Path:
+    """The tiny agree model (seed 0), written afresh each time (it takes a fraction of a
+    second, and a cached copy could predate a change to its generator); the cached file
+    is replaced atomically, and only when its bytes change."""
+    import filecmp
+    import tempfile
+
+    from ..tiny import AGREE_FILE, write_agree_model
+
+    d = cache_dir() / "tiny"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / AGREE_FILE
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        fresh = write_agree_model(tmp, seed=0)[0]
+        if not (path.is_file() and filecmp.cmp(fresh, path, shallow=False)):
+            os.replace(fresh, path)
+    return path
+
+
+def file_sha256(path: str | os.PathLike[str], *, _cache: dict[tuple[str, int, int], str] = {}) -> str:
+    """sha256 of a file (memoised on path, size and mtime)."""
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _cache:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _cache[key] = h.hexdigest()
+    return _cache[key]
+
+
+def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *, quiet: bool = False) -> Path:
+    """The widened bench-size variant of ``src`` (same predictions, ~size_mb MB), made
+    on first use and cached in ``~/.cache/stepmtp/bench`` (``STEPMTP_CACHE_DIR``)."""
+    from .widen import widen
+
+    src = Path(src)
+    tag = file_sha256(src)[:12]
+    dst = cache_dir() / "bench" / f"{src.stem}-{tag}-{int(size_mb)}mb.gguf"
+    if dst.is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"bench: writing the bench-size model {dst} (~{size_mb:.0f} MB, once)", file=sys.stderr)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    try:
+        widen(src, tmp, target_mb=size_mb)
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return dst

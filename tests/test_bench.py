@@ -1,0 +1,369 @@
+"""``stepmtp.bench``: the change's output layout, prompt files, the regression gate
+(an unchanged run passes; a driver with chaining disabled, or a slower loop, fails
+it), the widened bench model (same greedy tokens), and server processes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from stepmtp.bench import gate as G
+from stepmtp.bench import report as R
+from stepmtp.bench.__main__ import main as bench_main
+from stepmtp.bench.harness import run_bench
+from stepmtp.bench.prompts import CATEGORIES, load_prompts
+from stepmtp.bench.runners import BenchConfig, EngineRunner, Result, ServerProcess, URLRunner, parse_configs
+from stepmtp.tiny import write_agree_model
+
+N_PREDICT = 32
+CATS = ["code_python", "qa_factual", "summarize"]
+
+
+@pytest.fixture(scope="module")
+def agree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return load_prompts().select(CATS, n_predict=N_PREDICT)
+
+
+def bench(model: Path, prompts, configs: str = "none,single-2,chain-3", repeat: int = 2):
+    runners = [EngineRunner(c, model, n_ctx=1024, n_threads=1) for c in parse_configs(configs)]
+    return run_bench(prompts, runners, repeat=repeat, warmup=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def baseline(agree, prompts):
+    return G.make_baseline(bench(agree, prompts, repeat=3), tolerance=0.5)
+
+
+# -- layout -----------------------------------------------------------------------------
+
+
+def test_request_line_is_the_changes_layout():
+    # two lines of the change's description
+    r = Result("summarize", "chain-2", "", 10, 192, 160, 110, None, None, gen_ms=192 / 33.2 * 1e3,
+               prompt_ms=0.0, wall_s=1.0)
+    assert R.request_line(r) == "  summarize          pred= 192 draft= 160 acc= 110 rate=0.688 tok/s=33.2"
+    r = Result("creative_short", "x", "", 10, 192, 189, 95, None, None, gen_ms=192 / 28.1 * 1e3,
+               prompt_ms=0.0, wall_s=1.0)
+    assert R.request_line(r) == "  creative_short     pred= 192 draft= 189 acc=  95 rate=0.503 tok/s=28.1"
+
+
+def test_aggregate_keys_and_depths(agree, prompts):
+    run = bench(agree, prompts, "none,chain-3", repeat=1)
+    chain = run.by_label()["chain-3"]
+    agg = R.aggregate(chain.results, chain.config, chain.info["n_heads"])
+    assert list(agg)[:6] == ["n_requests", "total_predicted", "total_draft", "total_draft_accepted",
+                             "aggregate_accept_rate", "wall_s_total"]
+    assert agg["n_requests"] == len(CATS) and agg["total_predicted"] == len(CATS) * N_PREDICT
+    assert 0 < agg["total_draft_accepted"] < agg["total_draft"]
+    assert agg["aggregate_accept_rate"] == round(agg["total_draft_accepted"] / agg["total_draft"], 4)
+    assert sum(agg["draft_per_depth"]) == agg["total_draft"]
+    assert sum(agg["accepted_per_depth"]) == agg["total_draft_accepted"]
+    # chain-3 fused: one target decode and three draft decodes per round, prompt left out
+    assert agg["target_decodes_per_round"] == 1.0 and agg["draft_decodes_per_round"] == 3.0
+    block = R.config_block(chain)
+    assert "Aggregate: {" in block and R.request_line(chain.results[0]) in block
+    assert not run.mismatches
+    md = R.markdown(run)
+    assert "| chain-3 |" in md and "identical" in md
+    doc = R.to_json(run)
+    json.dumps(doc)
+    assert doc["environment"] == {} or "cpu_model" in doc["environment"]
+    assert [c["label"] for c in doc["configs"]] == ["none", "chain-3"]
+
+
+def test_config_specs():
+    labels = [c.label for c in parse_configs("none,single:2,chain-3,chain-3-ref,cpp-single-2,cpp-none,srv-chain-2")]
+    assert labels == ["none", "single-2", "chain-3", "chain-3-ref", "cpp-single-2", "cpp-none", "srv-chain-2"]
+    with pytest.raises(ValueError):
+        BenchConfig.parse("cpp-chain-3")  # the C++ server does not chain
+    with pytest.raises(ValueError):
+        parse_configs("none,none")
+
+
+# -- prompt sets -------------------------------------------------------------------------
+
+
+def test_default_prompts():
+    ps = load_prompts()
+    assert [p.category for p in ps.prompts] == list(CATEGORIES)
+    assert all(p.n_predict == 192 for p in ps.prompts)
+
+
+def test_prompt_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('# a comment\n{"category": "a", "prompt": "def f():"}\n\n{"name": "b", "content": "x", '
+                 '"n_predict": 7}\n')
+    ps = load_prompts(f)
+    assert [(p.category, p.prompt, p.n_predict) for p in ps.prompts] == [("a", "def f():", 192), ("b", "x", 7)]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"n_predict": 5, "prompts": ["one", {"category": "two", "prompt": "2"}]}))
+    assert [(p.category, p.n_predict) for p in load_prompts(f).prompts] == [("p0", 5), ("two", 5)]
+    f.write_text(json.dumps([{"category": "a", "prompt": "1"}, {"category": "a", "prompt": "2"}]))
+    with pytest.raises(ValueError, match="unique"):
+        load_prompts(f)
+    with pytest.raises(ValueError, match="no prompt of category"):
+        load_prompts().select(["nope"])
+
+
+# -- the gate -----------------------------------------------------------------------------
+
+
+def test_gate_passes_unchanged(agree, prompts, baseline):
+    rep = G.check(bench(agree, prompts), baseline)
+    assert rep.ok, rep.text()
+    assert rep.n_compared == 3 * len(CATS)
+    assert "PASS" in rep.text()
+
+
+def test_gate_fails_with_chaining_disabled(agree, prompts, baseline, monkeypatch):
+    """A broken driver: every draft step runs head 0 (the MTP layer offset stuck at 0)."""
+    from stepmtp.llama import Context
+
+    prop = Context.mtp_offset
+    monkeypatch.setattr(Context, "mtp_offset", property(prop.fget, lambda self, k: prop.fset(self, 0)))
+    run = bench(agree, prompts)
+    assert not run.mismatches  # the output is still exact; only the drafts are worse
+    rep = G.check(run, baseline)
+    assert not rep.ok
+    text = rep.text()
+    assert "REGRESSION: chain-3 code_python:" in text and "depth 2 accepted" in text, text
+    # single mode only ever uses head 0: unchanged
+    assert not any(f.startswith("single-2") for f in rep.failures), text
+
+
+def test_gate_fails_with_shifted_drafts(agree, prompts, baseline, monkeypatch):
+    """A broken driver: every draft token is off by one."""
+    import stepmtp.mtp as mtp
+
+    pick = mtp.draft_pick
+    monkeypatch.setattr(mtp, "draft_pick", lambda logits, *a, **k: ((pick(logits, *a, **k)[0] + 1) % 500,
+                                                                    *pick(logits, *a, **k)[1:]))
+    rep = G.check(bench(agree, prompts, "none,chain-3", repeat=1), baseline)
+    assert not rep.ok
+    assert any("chain-3" in f and "acc" in f for f in rep.failures), rep.text()
+    assert any("single-2: in the baseline but not run" in f for f in rep.failures)
+
+
+def test_gate_fails_when_the_loop_is_slower(agree, prompts, baseline, monkeypatch):
+    """Same counts, but each speculative round costs 100 ms more: the speed ratio falls
+    far below the baseline's (several times more than the tolerance of 50%)."""
+    from stepmtp.mtp import MTPDriver
+
+    orig = MTPDriver.round
+
+    def slow_round(self, s):
+        if self.speculate:
+            time.sleep(0.1)
+        return orig(self, s)
+
+    monkeypatch.setattr(MTPDriver, "round", slow_round)
+    rep = G.check(bench(agree, prompts, repeat=1), baseline)
+    assert not rep.ok
+    assert all("tok/s relative to none fell" in f for f in rep.failures), rep.text()
+    assert {f.split(":")[0] for f in rep.failures} == {"single-2", "chain-3"}, rep.text()
+
+
+def test_cli_gate_and_update(agree, tmp_path, capsys):
+    base = tmp_path / "base.json"
+    args = ["-m", str(agree), "--configs", "none,chain-2", "--categories", "qa_factual,translation", "-n", "24",
+            "-t", "1", "--repeat", "1", "-q"]
+    assert bench_main(["--baseline", str(base), "--update-baseline", *args]) == 0
+    doc = json.loads(base.read_text())
+    assert doc["settings"]["configs"] == ["none", "chain-2"]
+    # the baseline's settings are the defaults: --baseline alone reruns the same thing
+    assert bench_main(["--baseline", str(base), "-q", "--tolerance", "0.9"]) == 0
+    assert "gate: PASS" in capsys.readouterr().out
+    # a deliberate change not yet accepted
+    doc["counts"]["chain-2"]["translation"]["acc"] += 1
+    doc["counts"]["chain-2"]["translation"]["acc_per_depth"][1] += 1
+    base.write_text(json.dumps(doc))
+    assert bench_main(["--baseline", str(base), "-q", "--tolerance", "0.9"]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSION: chain-2 translation: acc" in out and "depth 2 accepted" in out
+    assert "gate: FAIL" in out
+    # accepted with --update-baseline
+    assert bench_main(["--baseline", str(base), "-q", "--update-baseline"]) == 0
+    assert bench_main(["--baseline", str(base), "-q", "--tolerance", "0.9"]) == 0
+
+
+def test_cli_outputs(agree, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = bench_main(["-m", str(agree), "--configs", "none,single-2", "--categories", "code_cpp", "-n", "16",
+                     "-t", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "  code_cpp           pred=  16 draft=" in text and "Aggregate: {" in text
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["identical_outputs"] and doc["environment"]["cpu_model"]
+    assert "build_flags" in doc["environment"]
+    assert "| single-2 |" in (out / "bench.md").read_text()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (out / "bench.png").exists()
+    else:
+        assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- the widened model -------------------------------------------------------------------
+
+
+def test_widen_keeps_greedy_tokens(agree, tmp_path):
+    import gguf
+
+    from stepmtp import Engine
+    from stepmtp.bench.widen import widen
+
+    dst = tmp_path / "wide.gguf"
+    res = widen(agree, dst, 3.0)
+    assert res.widths == {"experts": (32, 128), "shexp": (48, 192)}
+    r = gguf.GGUFReader(str(dst))
+    assert int(r.fields["step35.expert_feed_forward_length"].contents()) == 128
+    assert int(r.fields["step35.expert_shared_feed_forward_length"].contents()) == 192
+    assert int(r.fields["step35.feed_forward_length"].contents()) == 96  # dense (and MTP blocks) untouched
+    src_keys = set(gguf.GGUFReader(str(agree)).fields)
+    assert src_keys == set(r.fields)
+    out = {}
+    for path in (agree, dst):
+        for mode in ("none", "chain"):
+            with Engine(path, mode=mode, n_ctx=512, n_threads=1) as eng:
+                c = eng.generate("def heappush(heap, item):", n_predict=48, temperature=0)
+                out[(path, mode)] = (c.tokens, c.stats.n_drafted, c.stats.n_accepted)
+    assert out[(agree, "none")][0] == out[(dst, "none")][0] == out[(agree, "chain")][0]
+    assert out[(agree, "chain")] == out[(dst, "chain")]
+    with pytest.raises(ValueError):
+        widen(agree, tmp_path / "x.gguf", 0.5)
+
+
+def test_widen_target_size(agree, tmp_path):
+    from stepmtp.bench.widen import widen
+
+    res = widen(agree, tmp_path / "w.gguf", target_mb=6)
+    assert 5.5e6 < res.dst_bytes < 7e6
+
+
+# -- servers ----------------------------------------------------------------------------
+
+FAKE_SERVER = textwrap.dedent('''
+    import json, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a): pass
+        def _send(self, code, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(code); self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+        def do_GET(self):
+            self._send(200, {"status": "ok"} if self.path == "/health" else {"model_path": "fake"})
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert req["temperature"] == 0 and req["cache_prompt"] is False
+            n = req["n_predict"]
+            self._send(200, {"content": "x" * n, "tokens_predicted": n, "tokens_evaluated": 5,
+                             "timings": {"prompt_n": 5, "prompt_ms": 1.0, "predicted_n": n,
+                                         "predicted_ms": 100.0, "predicted_per_second": n * 10.0,
+                                         "draft_n": 30, "draft_n_accepted": 20},
+                             "mtp": {"rounds": 12, "draft_n_per_depth": [10, 10, 10],
+                                     "draft_n_accepted_per_depth": [9, 7, 4]}})
+    HTTPServer(("127.0.0.1", port), H).serve_forever()
+''')
+
+
+def test_server_process_and_url_runner(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    sp = ServerProcess([sys.executable, str(script)], label="fake", startup_timeout=30)
+    sp.start()
+    try:
+        runner = URLRunner(sp.url)
+        runner.start()
+        r = runner.run("qa_factual", "Q?", 16)
+        assert (r.predicted, r.drafted, r.accepted, r.rounds) == (16, 30, 20, 12)
+        assert r.drafted_per_depth == [10, 10, 10] and r.accepted_per_depth == [9, 7, 4]
+        assert r.tok_s == pytest.approx(160.0)
+        pid = sp.proc.pid
+    finally:
+        sp.close()
+    assert sp.proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        import os
+
+        os.kill(pid, 0)
+
+
+def test_server_process_that_fails(tmp_path):
+    sp = ServerProcess([sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"], label="bad",
+                       startup_timeout=30)
+    with pytest.raises(RuntimeError, match="no model here"):
+        sp.start()
+
+
+def test_interrupt_leaves_no_server(tmp_path):
+    """Ctrl-C during a run with started servers: the bench exits and the servers are gone."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER.replace("self._send(200, {\"content\"", "time.sleep(60); self._send(200, {\"content\"")
+                      .replace("import json, sys", "import json, sys, time"))
+    driver = tmp_path / "drive.py"
+    driver.write_text(textwrap.dedent(f'''
+        import sys
+        from stepmtp.bench.harness import run_bench
+        from stepmtp.bench.prompts import load_prompts
+        from stepmtp.bench.runners import BenchConfig, ServerProcess, URLRunner
+
+        class R(URLRunner):
+            def __init__(self):
+                super().__init__("http://x", BenchConfig(mode="none", n_max=0, backend="url"))
+                self.p = ServerProcess([sys.executable, {str(script)!r}], label="fake")
+            def start(self):
+                self.p.start(); self.url = self.p.url
+                print(self.p.proc.pid, flush=True)
+            def close(self):
+                self.p.close()
+        try:
+            run_bench(load_prompts().select(limit=1, n_predict=4), [R()], warmup=0, progress=False)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    '''))
+    import signal
+
+    p = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    pid = int(p.stdout.readline())
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=30)
+    assert "interrupted" in out
+    import os
+
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):  # the child is reaped by the bench; give the kernel a moment
+            os.kill(pid, 0)
+            time.sleep(0.1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the server's dependencies")
+def test_stepmtp_server_backend(agree, prompts, tmp_path):
+    """The same counts through `python -m stepmtp.server` started by the bench as in-process."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("stepmtp.server")
+    from stepmtp.bench.runners import ServerRunner
+
+    one = prompts.select(["qa_factual"])
+    c = BenchConfig(mode="chain", n_max=3, backend="server")
+    run = run_bench(one, [EngineRunner(BenchConfig(mode="chain", n_max=3), agree, n_ctx=1024, n_threads=1),
+                          ServerRunner(c, agree, n_ctx=1024, n_threads=1, startup_timeout=120)],
+                    warmup=0, progress=False)
+    a, b = (cr.results[0] for cr in run.configs)
+    assert not run.mismatches, (a.text, b.text)
+    assert (a.predicted, a.drafted, a.accepted) == (b.predicted, b.drafted, b.accepted)
