@@ -104,8 +104,8 @@ class Engine:
         model: the target GGUF (trunk, with the MTP blocks embedded or not).
         mtp_model: a separate MTP-only GGUF with the heads (llama-server's
             ``--spec-draft-model``); by default the heads come from ``model``.
-        mode, n_max, n_min, p_min, schedule, verify: speculation (see ``SpecConfig``);
-            or pass ``spec``.
+        mode, n_max, n_min, p_min, schedule, verify, adaptive: speculation (see
+            ``SpecConfig``); or pass ``spec``.
         n_ctx: context size (0: the model's). n_batch, n_ubatch: as ``-b``/``-ub``.
         n_threads, n_threads_batch: CPU threads (default: all this process may use).
         n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all.
@@ -126,6 +126,7 @@ class Engine:
         p_min: float = 0.0,
         schedule: Schedule = "fused",
         verify: Verify = "auto",
+        adaptive: bool = False,
         spec: SpecConfig | None = None,
         n_ctx: int = 4096,
         n_batch: int = 2048,
@@ -140,7 +141,7 @@ class Engine:
         debug: bool = False,
     ) -> None:
         self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule,
-                                       verify=verify)
+                                       verify=verify, adaptive=adaptive)
         self.seed = seed
         self._lock = threading.Lock()
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress)

@@ -55,6 +55,7 @@ from typing import Literal
 
 import numpy as np
 
+from .adaptive import AdaptiveLength
 from .llama import Batch, Context
 from .sampling import Sampler, draft_pick, verify_rejection
 from .stats import GenStats
@@ -81,6 +82,8 @@ class SpecConfig:
         them), ``rejection`` (drafts drawn from the heads' distributions, accepted
         with probability min(1, p/q), residual resampling), or ``auto``: rejection
         above temperature 0. At temperature 0 both are greedy exact match.
+    adaptive: choose the draft length each round (0 .. the draft length above) from
+        measured acceptance and decode costs (``adaptive.AdaptiveLength``).
     """
 
     mode: Mode = "chain"
@@ -89,6 +92,7 @@ class SpecConfig:
     p_min: float = 0.0
     schedule: Schedule = "fused"
     verify: Verify = "auto"
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "single", "none"):
@@ -161,6 +165,8 @@ class SeqState:
     stats: GenStats = field(default_factory=GenStats)
     #: verify by rejection sampling (drafts drawn from the heads' distributions)
     rejection: bool = False
+    #: adaptive draft length (SpecConfig.adaptive): chooses n for each round
+    policy: AdaptiveLength | None = None
     #: fused schedule: head k is anchored on positions [0, kv_valid[k])
     kv_valid: list[int] = field(default_factory=list)
     anchors: _Anchors | None = None
@@ -222,6 +228,7 @@ class MTPDriver:
         # fused schedule: the heads' output rows out_0 .. out_{n-1} of the current round
         self._chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
         self._probs = [0.0] * max(1, self.n_draft)
+        self._t_steps: list[float] = []  # seconds per draft step of the current round
         # rejection sampling: the distributions the round's drafts were drawn from
         self._q = np.zeros((max(1, self.n_draft), target.n_vocab), dtype=np.float64)
 
@@ -252,6 +259,7 @@ class MTPDriver:
             self.draft.seq_rm(s.seq_id)
         s.tokens = list(prompt)
         s.pending_h = self._zero_h[0]
+        s.policy = AdaptiveLength(self.n_draft) if self.spec.adaptive and self.speculate else None
         s.h_log = {} if self.debug else None
         s.trace = [] if self.debug else None
         if self.fused and self.speculate:
@@ -298,6 +306,9 @@ class MTPDriver:
             self._check_invariant(s)
         room = self.target.n_ctx - 1 - r  # positions left after id_last
         n_max = min(self.n_draft, room)
+        if s.policy is not None:
+            n_max = min(n_max, s.policy.choose())
+        self._t_steps.clear()
         if not self.speculate:
             drafts = []
         elif self.fused:
@@ -307,6 +318,7 @@ class MTPDriver:
         n = len(drafts)
 
         # verify: the target decodes id_last and the drafts, every row an output
+        t_verify = time.perf_counter()
         self.tbatch.fill([s.id_last, *drafts], r, s.seq_id, outputs="all")
         self._decode(self.target, self.tbatch, s)
         t0 = time.perf_counter()
@@ -345,6 +357,8 @@ class MTPDriver:
         if a < n:
             self.target.seq_rm(s.seq_id, s.pos)  # the rejected drafts' KV
         s.stats.count_round(n, a)
+        if s.policy is not None:
+            s.policy.observe(n, a, self._t_steps, time.perf_counter() - t_verify)
         if s.trace is not None:
             cells = (self.draft.seq_pos_min(s.seq_id), self.draft.seq_pos_max(s.seq_id)) if self.draft else (-1, -1)
             s.trace.append(RoundTrace(r, drafts, self._probs[:n], a, out, cells, list(s.kv_valid)))
@@ -358,6 +372,7 @@ class MTPDriver:
         drafts: list[int] = []
         h_prev = s.pending_h
         for i in range(n_max):
+            t_step = time.perf_counter()
             if self.spec.mode == "chain":
                 # head i has no KV past r: it decodes the whole prefix, with the
                 # previous heads' output rows as its hidden inputs
@@ -377,6 +392,7 @@ class MTPDriver:
                     b.fill([drafts[-1]], r + i, s.seq_id, outputs="last", embd=h_prev[None, :])
             self._decode(d, b, s)
             tok, p, h_prev = self._pick(s, i, drafts)
+            self._t_steps.append(time.perf_counter() - t_step)
             if p < self.spec.p_min:
                 break
             self._probs[i] = p
@@ -405,6 +421,7 @@ class MTPDriver:
         drafts: list[int] = []
         h_prev = s.pending_h
         for i in range(n_max):
+            t_step = time.perf_counter()
             k = i if self.spec.mode == "chain" else 0
             if self.spec.mode == "chain" or i == 0:
                 d.mtp_offset = k
@@ -426,6 +443,7 @@ class MTPDriver:
                 b.fill([drafts[-1]], r + i, s.seq_id, outputs="last", embd=h_prev[None, :])
             self._decode(d, b, s)
             tok, p, h_prev = self._pick(s, i, drafts)
+            self._t_steps.append(time.perf_counter() - t_step)
             if p < self.spec.p_min:
                 break
             self._probs[i] = p

@@ -22,6 +22,8 @@ class GenStats:
     drafted_per_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     accepted_per_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     n_rounds: int = 0
+    #: rounds by number of drafts (0 .. MAX_DEPTH): what the draft lengths were
+    rounds_by_length: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
     n_target_decodes: int = 0
     n_draft_decodes: int = 0
     #: rows (tokens) those decodes carried
@@ -47,6 +49,7 @@ class GenStats:
 
     def count_round(self, n_drafted: int, n_accepted: int) -> None:
         self.n_rounds += 1
+        self.rounds_by_length[min(n_drafted, MAX_DEPTH)] += 1
         self.n_drafted += n_drafted
         self.n_accepted += n_accepted
         for d in range(min(n_drafted, MAX_DEPTH)):
