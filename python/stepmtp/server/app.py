@@ -1,0 +1,831 @@
+"""The FastAPI application: llama-server's routes over one ``Engine``.
+
+The model loads in a background thread once the server listens (``/health``
+answers 503 until it is ready); generation runs in the worker thread
+(``worker.Worker``), one request at a time, the rest queued; the event loop only
+parses, tokenizes (large inputs in the thread pool) and writes responses, so ``/health`` and
+``/metrics`` stay responsive while a request generates.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .. import __version__
+from ..engine import Completion, Engine
+from ..sampling import SamplingParams
+from . import formats as F
+from .config import DEFAULT_SEED, ServerConfig
+from .errors import APIError, bad_request, error_body
+from .metrics import Metrics
+from .schemas import (ApplyTemplateRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                      DetokenizeRequest, GenerationFields, OAICompletionRequest, PromptPieces,
+                      TokenizeRequest, format_validation_error)
+from .worker import Cancelled, Channel, GenRequest, Job, Worker
+
+log = logging.getLogger("stepmtp.server")
+
+M = TypeVar("M", bound=BaseModel)
+
+#: reachable without an API key (llama-server's public endpoints, and the API docs)
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models",
+                          "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+#: reachable while the model loads
+LOADING_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+#: tokenizer.ggml.model -> llama_vocab_type
+_VOCAB_TYPES = {"llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv": 5, "plamo2": 6}
+
+#: how often a waiting non-streamed request checks that its client is still there
+DISCONNECT_POLL_S = 0.25
+#: a stream writes at most one batch of events per this many seconds: tokens that come
+#: faster (the tokens of one speculative round come at once) share a socket write, so
+#: the event loop does not take the GIL from the generating thread for every token.
+#: Tokens slower than this go out one by one, as they come.
+STREAM_FLUSH_S = 0.005
+#: inputs smaller than this (characters or tokens) are processed on the event loop:
+#: a thread-pool hop costs more than the work
+INLINE_LIMIT = 4096
+
+
+class ClientGone(Exception):
+    """The client closed the connection; nobody is left to answer."""
+
+
+# -- state ------------------------------------------------------------------------
+
+
+class ServerState:
+    """The engine and everything around it, shared by the routes."""
+
+    def __init__(self, cfg: ServerConfig, engine_factory: Callable[[Path], Engine] | None = None) -> None:
+        self.cfg = cfg
+        self.engine_factory = engine_factory or cfg.load_engine
+        self.ready = threading.Event()
+        self.failed: str | None = None
+        self.engine: Engine | None = None
+        self.worker: Worker | None = None
+        self.metrics = Metrics()
+        self.model_path: Path | None = None
+        self.model_name = cfg.model_name() if cfg.model or cfg.aliases else "stepmtp-default"
+        self.eog_tokens: list[int] = []
+        self.n_draft = 0
+        #: called (from the loading thread) when the model cannot be loaded: stops the server
+        self.on_fatal: Callable[[], None] | None = None
+        self.exit_code = 0
+        self._closed = False
+
+    # -- loading ----------------------------------------------------------------
+
+    def load(self) -> None:
+        cfg = self.cfg
+        try:
+            path = cfg.model_path()
+            self.model_path = path
+            self.model_name = cfg.model_name(path)
+            log.info("loading model %s%s", path, f" (draft/MTP model {cfg.mtp_model})" if cfg.speculative
+                     and cfg.mtp_model else "")
+            t0 = time.perf_counter()
+            engine = self.engine_factory(path)
+            self.engine = engine
+            m = engine.model
+            self.eog_tokens = [t for t in range(m.n_vocab) if m.is_eog(t)]
+            self.n_draft = engine.driver.n_draft
+            log.info("model: %s (%s, %s parameters, %.1f MiB), n_ctx_train %d, loaded in %.2f s",
+                     self.model_name, m.description, _si(m.n_params), m.size / 2**20, m.n_ctx_train,
+                     time.perf_counter() - t0)
+            src = f"from {cfg.mtp_model}" if cfg.speculative and cfg.mtp_model else "in the target file"
+            if engine.draft_model is not None:
+                log.info("MTP heads: %d found (%s)", engine.n_heads, src)
+            else:
+                log.info("MTP heads: %d/%d in the file, not used", m.n_mtp_blocks_loaded, m.n_mtp_blocks)
+            if cfg.speculative:
+                log.info("speculation: draft-mtp, mode %s, n_max %d (%d drafted per round), n_min %d, p_min %.2f",
+                         cfg.mtp_mode, cfg.n_max, self.n_draft, cfg.n_min, cfg.p_min)
+            else:
+                log.info("speculation: none (--spec-type draft-mtp to draft with the MTP heads)")
+            log.info("context: n_ctx %d, n_batch %d, n_ubatch %d", engine.n_ctx, engine.target.n_batch,
+                     engine.target.n_ubatch)
+            if cfg.n_parallel > 1:
+                log.info("slots: -np %d accepted, but the engine serves one sequence at a time: "
+                         "requests are queued and run one after another", cfg.n_parallel)
+            else:
+                log.info("slots: 1; further requests are queued")
+            self.worker = Worker(engine, on_done=self._on_done)
+            self.ready.set()
+            log.info("server is listening on http://%s:%d - ready", _host_for_url(cfg.host), cfg.port)
+        except BaseException as e:  # noqa: BLE001 - reported, then the server stops
+            self.failed = f"{type(e).__name__}: {e}"
+            self.exit_code = 1
+            log.error("failed to load the model: %s", e)
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    def _on_done(self, job: Job, result: Completion | None, error: BaseException | None, n_seen: int) -> None:
+        self.metrics.record(result, cancelled=isinstance(error, Cancelled), failed=error is not None
+                            and not isinstance(error, Cancelled))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        stopped = True
+        if self.worker is not None:
+            stopped = self.worker.stop()
+        if self.engine is not None and stopped:
+            self.engine.close()
+
+    # -- helpers for the routes ---------------------------------------------------
+
+    def need_engine(self) -> Engine:
+        if not self.ready.is_set() or self.engine is None:
+            raise APIError("Loading model", "unavailable_error")
+        return self.engine
+
+    def mtp_mode(self) -> str:
+        return self.cfg.mtp_mode if self.cfg.speculative else "none"
+
+
+# -- middleware -----------------------------------------------------------------
+
+
+class GateMiddleware:
+    """llama-server's pre-routing checks: 503 while loading, then the API key
+    (``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``) outside the public paths."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if not self.state.ready.is_set() and path not in LOADING_PATHS:
+            await JSONResponse(error_body("Loading model", "unavailable_error"), status_code=503)(scope, receive, send)
+            return
+        keys = self.state.cfg.api_keys
+        if keys and path not in PUBLIC_PATHS:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            key = headers.get("authorization", "") or headers.get("x-api-key", "")
+            if key.startswith("Bearer "):
+                key = key[len("Bearer "):]
+            if key not in keys:
+                log.warning("unauthorized: Invalid API Key")
+                await JSONResponse(error_body("Invalid API Key", "authentication_error"),
+                                   status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that, however it ends (done, client gone, error), runs ``on_close``
+    (cancels the job) and closes its iterator at once."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # noqa: BLE001
+                    pass
+
+
+# -- the app --------------------------------------------------------------------
+
+
+def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | None = None,
+               state: ServerState | None = None) -> FastAPI:
+    """The ASGI app. ``engine_factory(path)`` replaces ``cfg.load_engine`` (tests)."""
+    st = state or ServerState(cfg, engine_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=st.load, name="stepmtp-load", daemon=True).start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(st.close)
+
+    app = FastAPI(
+        title="stepmtp server",
+        version=__version__,
+        description="llama-server's HTTP API over Step-3.5/3.7-Flash with its MTP heads chained as "
+                    "speculative decoding (stepmtp).",
+        lifespan=lifespan,
+    )
+    app.state.stepmtp = st
+    app.add_middleware(GateMiddleware, state=st)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"], allow_headers=["*"])
+
+    # -- errors -----------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(format_validation_error(exc)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            body = error_body("File Not Found", "not_found_error")
+        else:
+            body = error_body(str(exc.detail), "invalid_request_error")
+            body["error"]["code"] = exc.status_code
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+    # -- request bodies: parsed here whatever the Content-Type (curl -d sends a form
+    # type), validated by the pydantic models, errors as llama-server's 400 ---------
+
+    async def body(request: Request, model: type[M]) -> M:
+        raw = await request.body()
+        try:
+            return model.model_validate_json(raw or b"")
+        except ValidationError as e:
+            raise bad_request(format_validation_error(e)) from None
+
+    def json_body(model: type[BaseModel]) -> dict[str, Any]:
+        return {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+    # -- simple routes ------------------------------------------------------------
+
+    @app.get("/health", tags=["server"], summary="200 when ready, 503 while the model loads")
+    @app.get("/v1/health", include_in_schema=False)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/props", tags=["server"], summary="Server properties, as llama-server's")
+    async def props() -> dict[str, Any]:
+        eng = st.need_engine()
+        m = eng.model
+        return {
+            "default_generation_settings": {
+                "params": F.generation_settings(default_settings(st)),
+                "n_ctx": eng.n_ctx,
+            },
+            "total_slots": cfg.total_slots,
+            "model_alias": st.model_name,
+            "model_path": str(st.model_path),
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "media_marker": "<__media__>",
+            "endpoint_slots": False,
+            "endpoint_props": False,
+            "endpoint_metrics": True,
+            "ui": False,
+            "ui_settings": {},
+            "chat_template": m.chat_template or "",
+            "chat_template_caps": {},
+            "bos_token": _special_text(m, m.bos),
+            "eos_token": _special_text(m, m.eos),
+            "build_info": f"stepmtp-{__version__}",
+            "is_sleeping": False,
+            "cors_proxy_enabled": False,
+            "stepmtp": {
+                "version": __version__,
+                "spec_type": cfg.spec_type,
+                "mtp_mode": st.mtp_mode(),
+                "mtp_model": cfg.mtp_model,
+                "n_heads": eng.n_heads,
+                "n_max": cfg.n_max,
+                "n_draft": st.n_draft,
+                "n_min": cfg.n_min,
+                "p_min": cfg.p_min,
+                "n_parallel": cfg.n_parallel,
+                "concurrent_sequences": 1,
+            },
+        }
+
+    @app.get("/models", tags=["openai"], summary="The model served (llama-server's and OpenAI's list)")
+    @app.get("/v1/models", tags=["openai"], summary="The model served (OpenAI's list)")
+    async def models() -> dict[str, Any]:
+        eng = st.need_engine()
+        m = eng.model
+        info = {
+            "id": st.model_name,
+            "aliases": sorted(cfg.aliases),
+            "tags": [],
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "llamacpp",
+            "meta": {
+                "vocab_type": _VOCAB_TYPES.get(m.meta("tokenizer.ggml.model") or "", 0),
+                "n_vocab": m.n_vocab,
+                "n_ctx": eng.n_ctx,
+                "n_ctx_train": m.n_ctx_train,
+                "n_embd": m.n_embd,
+                "n_params": m.n_params,
+                "size": m.size,
+            },
+        }
+        return {
+            "models": [{
+                "name": st.model_name, "model": st.model_name, "modified_at": "", "size": "", "digest": "",
+                "type": "model", "description": "", "tags": [""], "capabilities": ["completion"],
+                "parameters": "", "details": {"parent_model": "", "format": "gguf", "family": "",
+                                              "families": [""], "parameter_size": "", "quantization_level": ""},
+            }],
+            "object": "list",
+            "data": [info],
+        }
+
+    @app.get("/metrics", tags=["server"], response_class=PlainTextResponse,
+             summary="Prometheus metrics (llama-server's, plus the MTP heads' per depth)")
+    async def metrics() -> Response:
+        w = st.worker
+        text = st.metrics.render(processing=int(w.busy) if w else 0, deferred=w.n_waiting if w else 0)
+        return Response(text, media_type="text/plain; version=0.0.4",
+                        headers={"Process-Start-Time-Unix": str(st.metrics.t_start)})
+
+    @app.post("/tokenize", tags=["tokens"], openapi_extra=json_body(TokenizeRequest),
+              summary="Text to token ids")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        eng = st.need_engine()
+        req = await body(request, TokenizeRequest)
+        tokens = await off_loop(_size(req.content), _tokenize_pieces, eng, req.content, req.add_special,
+                                req.parse_special)
+        if not req.with_pieces:
+            return {"tokens": tokens}
+        out = []
+        for t in tokens:
+            piece = eng.model.token_to_piece(t, special=True)
+            try:
+                p: Any = piece.decode("utf-8")
+            except UnicodeDecodeError:
+                p = list(piece)
+            out.append({"id": t, "piece": p})
+        return {"tokens": out}
+
+    @app.post("/detokenize", tags=["tokens"], openapi_extra=json_body(DetokenizeRequest),
+              summary="Token ids to text")
+    async def detokenize(request: Request) -> dict[str, str]:
+        eng = st.need_engine()
+        req = await body(request, DetokenizeRequest)
+        _check_tokens(eng, req.tokens)
+        text = await off_loop(len(req.tokens), eng.model.detokenize, req.tokens, unparse_special=True)
+        return {"content": text}
+
+    @app.post("/apply-template", tags=["tokens"], openapi_extra=json_body(ApplyTemplateRequest),
+              summary="Chat messages to the prompt text (the GGUF's chat template)")
+    async def apply_template(request: Request) -> dict[str, str]:
+        eng = st.need_engine()
+        req = await body(request, ApplyTemplateRequest)
+        prompt = await render_chat(eng, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        return {"prompt": prompt}
+
+    # -- generation -------------------------------------------------------------------
+
+    async def prepare(eng: Engine, req: GenerationFields, prompts: list[list[int]], *,
+                      stream: bool) -> tuple[list[GenRequest], F.Settings]:
+        """Resolve a request's settings and check its prompts; every client error is a 400 here."""
+        bad = req.unsupported()
+        if bad:
+            raise bad_request(f"not supported by this server: {', '.join(bad)}")
+        n_cmpl = req.n_cmpl if req.n_cmpl is not None else (req.n if req.n is not None else 1)
+        if n_cmpl > cfg.total_slots:
+            raise bad_request(f"n_cmpl (n) must be between 1 and {cfg.total_slots} (the server's -np)")
+        if stream and len(prompts) * n_cmpl > 1:
+            raise bad_request("streaming supports one prompt and n = 1")
+        n_predict = req.requested_n_predict()
+        n_predict = -1 if n_predict is None else n_predict
+        if cfg.n_predict >= 0:
+            n_predict = cfg.n_predict if n_predict < 0 else min(n_predict, cfg.n_predict)
+        sampling, seed_shown = resolve_sampling(eng, req)
+        for toks in prompts:
+            if not toks:
+                raise bad_request("the prompt is empty")
+            _check_tokens(eng, toks)
+            if len(toks) >= eng.n_ctx:
+                raise APIError(f"request ({len(toks)} tokens) exceeds the available context size "
+                               f"({eng.n_ctx} tokens), try increasing it", "exceed_context_size_error",
+                               n_prompt_tokens=len(toks), n_ctx=eng.n_ctx)
+        gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream)
+                for toks in prompts for _ in range(n_cmpl)]
+        settings = F.Settings(
+            sampling=sampling, seed=seed_shown, n_predict=n_predict, stop=list(req.stop), stream=stream,
+            ignore_eos=req.ignore_eos, logit_bias=[(t, None if b == float("-inf") else b)
+                                                   for t, b in sampling.logit_bias.items()],
+            spec_type=cfg.spec_type, n_max=cfg.n_max, n_min=cfg.n_min, p_min=cfg.p_min, mtp_mode=cfg.mtp_mode,
+        )
+        return gens, settings
+
+    def resolve_sampling(eng: Engine, req: GenerationFields) -> tuple[SamplingParams, int]:
+        base = cfg.sampling
+        kw: dict[str, Any] = {}
+        if req.temperature is not None:
+            kw["temperature"] = max(0.0, req.temperature)
+        if req.top_k is not None:
+            kw["top_k"] = max(0, req.top_k)
+        if req.top_p is not None:
+            kw["top_p"] = min(1.0, max(0.0, req.top_p))
+        if req.min_p is not None:
+            kw["min_p"] = min(1.0, max(0.0, req.min_p))
+        for name in ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = v
+        seed_shown = cfg.seed_u32
+        if req.seed is not None and req.seed != -1 and (req.seed & 0xFFFFFFFF) != DEFAULT_SEED:
+            kw["seed"] = req.seed & 0xFFFFFFFF
+            seed_shown = kw["seed"]
+        bias: dict[int, float] = {}
+        for key, b in req.logit_bias:
+            value = float("-inf") if b is None else b
+            ids = [key] if isinstance(key, int) else eng.tokenize(key, add_special=False, parse_special=False)
+            for t in ids:
+                if 0 <= t < eng.model.n_vocab:  # llama-server ignores the others
+                    bias[t] = value
+        if req.ignore_eos:
+            for t in st.eog_tokens:
+                bias[t] = float("-inf")
+        if bias:
+            kw["logit_bias"] = bias
+        try:
+            return base.with_(**kw), seed_shown
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    def result_info(eng: Engine, settings: F.Settings) -> F.ResultInfo:
+        return F.ResultInfo(model=st.model_name, n_ctx=eng.n_ctx, settings=settings, mtp_mode=st.mtp_mode(),
+                            n_heads=eng.n_heads, n_draft=st.n_draft, id=F.completion_id(),
+                            created=int(time.time()))
+
+    def submit(gen: GenRequest) -> Job:
+        w = st.worker
+        if w is None:
+            raise APIError("Loading model", "unavailable_error")
+        job = Job(gen, Channel(asyncio.get_running_loop()))
+        try:
+            w.submit(job)
+        except RuntimeError as e:
+            raise APIError(str(e), "unavailable_error") from None
+        return job
+
+    async def next_items(job: Job, request: Request) -> list[tuple[str, Any]]:
+        """The job's next items; raises ClientGone (and cancels the job) if the client left."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.channel.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise ClientGone() from None
+
+    def raise_job_error(err: BaseException) -> None:
+        if isinstance(err, Cancelled):
+            raise APIError(str(err), "unavailable_error")
+        if isinstance(err, ValueError):
+            raise bad_request(str(err))
+        raise APIError(f"generation failed: {type(err).__name__}: {err}", "server_error")
+
+    async def run_all(jobs: list[Job], request: Request) -> list[Completion]:
+        out: list[Completion] = []
+        try:
+            for job in jobs:
+                while True:
+                    items = await next_items(job, request)
+                    kind, payload = items[-1]
+                    if kind == "done":
+                        out.append(payload)
+                        break
+                    if kind == "error":
+                        raise_job_error(payload)
+        finally:
+            for job in jobs:
+                job.cancel()  # a no-op for the finished ones
+        return out
+
+    async def first_items(job: Job, request: Request) -> list[tuple[str, Any]]:
+        """Wait for the job to start producing: its errors become a plain error response,
+        as llama-server answers a stream's first error."""
+        try:
+            items = await next_items(job, request)
+        except BaseException:
+            job.cancel()
+            raise
+        for kind, payload in items:
+            if kind == "error":
+                raise_job_error(payload)
+        return items
+
+    def gone() -> Response:
+        return Response(status_code=499)
+
+    async def stream_events(job: Job, items: list[tuple[str, Any]],
+                            on_chunk: Callable[[Any], list[str]], on_done: Callable[[Completion], list[str]],
+                            done_marker: bool) -> AsyncIterator[str]:
+        """SSE text for the job's items: one event per token (llama-server's format),
+        written in batches at most every STREAM_FLUSH_S."""
+        last_flush = 0.0
+        out: list[str] = []
+        while True:
+            for kind, payload in items:
+                if kind == "chunk":
+                    out.extend(on_chunk(payload))
+                elif kind == "done":
+                    out.extend(on_done(payload))
+                    if done_marker:
+                        out.append(F.SSE_DONE)
+                    yield "".join(out)
+                    return
+                elif kind == "error":
+                    code = "unavailable_error" if isinstance(payload, Cancelled) else "server_error"
+                    out.append(F.sse(error_body(str(payload), code)))
+                    yield "".join(out)
+                    return
+            if out:
+                wait = last_flush + STREAM_FLUSH_S - time.perf_counter()
+                if wait > 0:  # the last write was just now: gather what comes meanwhile
+                    await asyncio.sleep(wait)
+                    items = job.channel.get_nowait()
+                    if items:
+                        continue
+                yield "".join(out)
+                out = []
+                last_flush = time.perf_counter()
+            items = await job.channel.get()
+
+    # -- POST /completion: llama-server's native API ---------------------------------
+
+    @app.post("/completion", tags=["llama.cpp"], openapi_extra=json_body(CompletionRequest),
+              summary="llama-server's completion: prompt in, text and timings out (stream: SSE)")
+    @app.post("/completions", include_in_schema=False, openapi_extra=json_body(CompletionRequest))
+    async def completion(request: Request) -> Any:
+        eng = st.need_engine()
+        req = await body(request, CompletionRequest)
+        prompts = await off_loop(sum(map(_size, req.prompt)),
+                                 lambda: [_tokenize_pieces(eng, p, True, True) for p in req.prompt])
+        gens, settings = await prepare(eng, req, prompts, stream=req.stream)
+        info = result_info(eng, settings)
+        if not req.stream:
+            jobs = [submit(g) for g in gens]
+            try:
+                results = await run_all(jobs, request)
+            except ClientGone:
+                return gone()
+            outs = []
+            for i, c in enumerate(results):
+                info.prompt_text = eng.model.detokenize(c.prompt_tokens, unparse_special=True)
+                outs.append(_select_fields(F.native_final(c, info, index=i, return_tokens=req.return_tokens),
+                                           req.response_fields))
+            return JSONResponse(outs[0] if len(outs) == 1 else outs)
+
+        job = submit(gens[0])
+        n_prompt = len(gens[0].prompt_tokens)
+        try:
+            items = await first_items(job, request)
+        except ClientGone:
+            return gone()
+        acc = {"n": 0, "tokens": []}
+
+        def on_chunk(ch: Any) -> list[str]:
+            acc["n"] += len(ch.tokens)
+            acc["tokens"].extend(ch.tokens)
+            if not ch.text:
+                return []
+            toks, acc["tokens"] = acc["tokens"], []
+            return [F.sse(F.native_partial(ch.text, toks, acc["n"], n_prompt))]
+
+        def on_done(c: Completion) -> list[str]:
+            info.prompt_text = eng.model.detokenize(c.prompt_tokens, unparse_special=True)
+            return [F.sse(_select_fields(F.native_final(c, info, stream=True), req.response_fields))]
+
+        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
+
+    # -- POST /v1/completions: OpenAI's completions ---------------------------------
+
+    @app.post("/v1/completions", tags=["openai"], openapi_extra=json_body(OAICompletionRequest),
+              summary="OpenAI completions (stream: SSE ending in [DONE])")
+    async def oai_completions(request: Request) -> Any:
+        eng = st.need_engine()
+        req = await body(request, OAICompletionRequest)
+        prompts = await off_loop(sum(map(_size, req.prompt)),
+                                 lambda: [_tokenize_pieces(eng, p, True, True) for p in req.prompt])
+        gens, settings = await prepare(eng, req, prompts, stream=req.stream)
+        info = result_info(eng, settings)
+        if not req.stream:
+            jobs = [submit(g) for g in gens]
+            try:
+                results = await run_all(jobs, request)
+            except ClientGone:
+                return gone()
+            return JSONResponse(F.oai_completion(results, info))
+
+        job = submit(gens[0])
+        try:
+            items = await first_items(job, request)
+        except ClientGone:
+            return gone()
+
+        def on_chunk(ch: Any) -> list[str]:
+            return [F.sse(F.oai_completion_chunk(ch.text, info))] if ch.text else []
+
+        def on_done(c: Completion) -> list[str]:
+            return [F.sse(F.oai_completion_final_chunk(c, info))]
+
+        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True), job.cancel)
+
+    # -- POST /v1/chat/completions: OpenAI's chat -------------------------------------
+
+    @app.post("/v1/chat/completions", tags=["openai"], openapi_extra=json_body(ChatCompletionRequest),
+              summary="OpenAI chat completions with the GGUF's chat template (stream: SSE ending in [DONE])")
+    @app.post("/chat/completions", include_in_schema=False, openapi_extra=json_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Any:
+        eng = st.need_engine()
+        req = await body(request, ChatCompletionRequest)
+        _check_messages(req.messages)
+        if req.unsupported():
+            raise bad_request(f"not supported by this server: {', '.join(req.unsupported())}")
+        text = await render_chat(eng, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+        gens, settings = await prepare(eng, req, [toks], stream=req.stream)
+        info = result_info(eng, settings)
+        if not req.stream:
+            jobs = [submit(g) for g in gens]
+            try:
+                results = await run_all(jobs, request)
+            except ClientGone:
+                return gone()
+            return JSONResponse(F.oai_chat(results, info))
+
+        job = submit(gens[0])
+        try:
+            items = await first_items(job, request)
+        except ClientGone:
+            return gone()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        started = {"role": False}
+
+        def on_chunk(ch: Any) -> list[str]:
+            out = []
+            if not started["role"]:
+                started["role"] = True
+                out.append(F.sse(F.oai_chat_chunk({"role": "assistant", "content": None}, info)))
+            if ch.text:
+                out.append(F.sse(F.oai_chat_chunk({"content": ch.text}, info)))
+            return out
+
+        def on_done(c: Completion) -> list[str]:
+            out = []
+            if not started["role"]:
+                started["role"] = True
+                out.append(F.sse(F.oai_chat_chunk({"role": "assistant", "content": None}, info)))
+            out.extend(F.sse(x) for x in F.oai_chat_final_chunks(c, info, include_usage))
+            return out
+
+        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True), job.cancel)
+
+    # -- chat template ----------------------------------------------------------------
+
+    async def render_chat(eng: Engine, messages: list[ChatMessage], add_generation_prompt: bool,
+                          kwargs: dict[str, Any] | None) -> str:
+        _check_messages(messages)
+        try:
+            msgs = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        try:
+            return await off_loop(sum(len(m["content"]) for m in msgs), lambda: eng.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {})))
+        except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
+            raise bad_request(f"chat template: {e}") from None
+
+    # -- the OpenAPI spec: the request models the routes parse themselves -------------
+
+    request_models = [CompletionRequest, OAICompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                      DetokenizeRequest, ApplyTemplateRequest]
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in request_models:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, sub in js.pop("$defs", {}).items():
+                comps.setdefault(name, sub)
+            comps[model.__name__] = js
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def default_settings(st: ServerState) -> F.Settings:
+    cfg = st.cfg
+    return F.Settings(sampling=cfg.sampling, seed=cfg.seed_u32, n_predict=cfg.n_predict, stop=[], stream=False,
+                      spec_type=cfg.spec_type, n_max=cfg.n_max, n_min=cfg.n_min, p_min=cfg.p_min,
+                      mtp_mode=cfg.mtp_mode)
+
+
+async def off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``: in the thread pool when the input is large, else right here."""
+    if size >= INLINE_LIMIT:
+        return await run_in_threadpool(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def _size(pieces: PromptPieces) -> int:
+    return sum(len(p) if isinstance(p, str) else 1 for p in pieces)
+
+
+def _tokenize_pieces(eng: Engine, pieces: PromptPieces, add_special: bool, parse_special: bool) -> list[int]:
+    """llama-server's tokenize_mixed(): strings tokenized (special tokens added only
+    when the first piece is a string), token ids kept."""
+    out: list[int] = []
+    for i, p in enumerate(pieces):
+        if isinstance(p, str):
+            out.extend(eng.tokenize(p, add_special=add_special and i == 0, parse_special=parse_special))
+        else:
+            out.append(p)
+    return out
+
+
+def _check_tokens(eng: Engine, tokens: list[int]) -> None:
+    n = eng.model.n_vocab
+    for t in tokens:
+        if not 0 <= t < n:
+            raise bad_request(f"token id {t} is out of range [0, {n})")
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    """llama-server's checks on ``messages``."""
+    for i, m in enumerate(messages):
+        fields = m.model_fields_set | set(m.model_extra or {})
+        if m.role != "assistant" and "content" not in fields:
+            raise bad_request(f"messages[{i}]: all non-assistant messages must contain 'content'")
+        if m.role == "assistant" and "content" not in fields and "tool_calls" not in fields:
+            raise bad_request(f"messages[{i}]: assistant message must contain either 'content' or 'tool_calls'")
+
+
+def _select_fields(res: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
+    """llama-server's response_fields: keep the fields named; "a/b" moves a.b to the top as "a/b"."""
+    if not fields:
+        return res
+    out: dict[str, Any] = {}
+    for f in fields:
+        cur: Any = res
+        ok = True
+        for part in f.split("/"):
+            if isinstance(cur, dict) and part in cur:
+                cur = cur[part]
+            else:
+                ok = False
+                break
+        if ok:
+            out[f] = cur
+    return out
+
+
+def _special_text(m: Any, tok: int) -> str:
+    if tok < 0:
+        return ""
+    return m.token_to_piece(tok, special=True).decode("utf-8", "replace")
+
+
+def _si(n: int) -> str:
+    for unit, k in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= k:
+            return f"{n / k:.2f}{unit}"
+    return str(n)
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,354 @@
+"""``python -m stepmtp.server``: llama-server's command line, serving with the MTP heads.
+
+The flags are llama-server's (``vendor/llama.cpp/common/arg.cpp``), with its
+spellings, aliases, defaults and ``LLAMA_ARG_*`` environment variables, so a
+llama-server command runs with ``llama-server`` replaced by
+``python -m stepmtp.server``. Added: ``--spec-mtp-mode chain|single``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
+
+from ..sampling import SamplingParams
+from .config import ServerConfig
+
+PROG = "python -m stepmtp.server"
+
+log = logging.getLogger("stepmtp.server")
+
+
+class ArgError(Exception):
+    pass
+
+
+# -- value types (errors name the flag through argparse) -----------------------
+
+
+def _int(v: str) -> int:
+    try:
+        return int(v, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+
+
+def _float(v: str) -> float:
+    try:
+        return float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
+
+
+def _layers(v: str) -> int | str:
+    """-ngl: a number, 'auto' or 'all'."""
+    if v in ("auto", "all"):
+        return v
+    n = _int(v)
+    return n
+
+
+def _on_off_auto(v: str) -> bool | None:
+    low = v.lower()
+    if low in ("on", "enabled", "true", "1", "yes"):
+        return True
+    if low in ("off", "disabled", "false", "0", "no"):
+        return False
+    if low == "auto":
+        return None
+    raise argparse.ArgumentTypeError(f"expected on, off or auto, got {v!r}")
+
+
+def _csv(v: str) -> list[str]:
+    return [x.strip() for x in v.split(",") if x.strip()]
+
+
+SPEC_TYPES_LLAMA = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "ngram-simple", "ngram-map-k",
+                    "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def _spec_types(v: str) -> list[str]:
+    out = []
+    for t in _csv(v):
+        if t not in SPEC_TYPES_LLAMA:
+            raise argparse.ArgumentTypeError(f"unknown speculative decoding type {t!r} "
+                                             f"(llama-server knows {', '.join(SPEC_TYPES_LLAMA)})")
+        if t not in ("none", "draft-mtp"):
+            raise argparse.ArgumentTypeError(f"{t!r} is not supported by this server: it drafts with the "
+                                             "model's MTP heads (draft-mtp) or not at all (none)")
+        out.append(t)
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+
+
+class _Append(argparse.Action):
+    """Values of a repeatable comma-separated flag, accumulated (--spec-type, --api-key, -a)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        cur = getattr(ns, self.dest, None)
+        cur = [] if cur is None or cur is self.default else list(cur)
+        setattr(ns, self.dest, cur + list(values))
+
+
+#: flag -> environment variable (llama-server's names)
+ENV: dict[str, str] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(
+        prog=PROG,
+        description="llama-server's HTTP API (/completion, /v1/completions, /v1/chat/completions, /tokenize, "
+                    "/detokenize, /props, /v1/models, /health, /metrics) over stepmtp: Step-3.5/3.7-Flash with "
+                    "its MTP heads chained as speculative decoding. The flags are llama-server's.",
+        epilog="Without -m, the bundled default model is served. Each flag can also come from llama-server's "
+               "environment variable (shown as env), the command line winning.",
+        allow_abbrev=False,
+    )
+
+    def add(group: argparse._ArgumentGroup, *names: str, env: str | None = None, **kw: Any) -> None:
+        if env:
+            kw["help"] = (kw.get("help") or "") + f" (env: {env})"
+        action = group.add_argument(*names, **kw)
+        if env:
+            ENV[action.dest] = env
+
+    g = ap.add_argument_group("model")
+    add(g, "-m", "--model", metavar="FNAME", dest="model", env="LLAMA_ARG_MODEL",
+        help="model path (default: the bundled default model)")
+    add(g, "-a", "--alias", metavar="STRING", dest="alias", type=_csv, action=_Append, default=[],
+        env="LLAMA_ARG_ALIAS", help="model name aliases, comma-separated (the API's model id)")
+
+    g = ap.add_argument_group("speculative decoding (the MTP heads)")
+    add(g, "--spec-type", metavar="none|draft-mtp", dest="spec_type", type=_spec_types, action=_Append, default=[],
+        env="LLAMA_ARG_SPEC_TYPE",
+        help="draft-mtp: draft with the model's MTP heads; none: plain decoding (default: none, as llama-server)")
+    add(g, "--spec-mtp-mode", metavar="chain|single", dest="mtp_mode", choices=["chain", "single"], default="chain",
+        help="chain: head i drafts step i (n-max capped at the head count); single: head 0 for every step, "
+             "the behaviour before chaining (default: chain)")
+    add(g, "--spec-draft-model", "-md", "--model-draft", metavar="FNAME", dest="mtp_model",
+        env="LLAMA_ARG_SPEC_DRAFT_MODEL", help="a separate MTP-only GGUF with the heads (default: from -m)")
+    add(g, "--spec-draft-n-max", metavar="N", dest="n_max", type=_int, default=3, env="LLAMA_ARG_SPEC_DRAFT_N_MAX",
+        help="tokens drafted per round at most (default: 3)")
+    add(g, "--spec-draft-n-min", metavar="N", dest="n_min", type=_int, default=0, env="LLAMA_ARG_SPEC_DRAFT_N_MIN",
+        help="a round drafting fewer than this drafts none (default: 0)")
+    add(g, "--spec-draft-p-min", "--draft-p-min", metavar="P", dest="p_min", type=_float, default=0.0,
+        env="LLAMA_ARG_SPEC_DRAFT_P_MIN", help="drafting stops at a token less likely than this (default: 0.00)")
+    add(g, "--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", metavar="N",
+        dest="ngl_draft", type=_layers, env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
+        help="draft model layers in VRAM: a number, 'auto' or 'all' (default: as -ngl)")
+
+    g = ap.add_argument_group("context and compute")
+    add(g, "-c", "--ctx-size", metavar="N", dest="ctx_size", type=_int, default=0, env="LLAMA_ARG_CTX_SIZE",
+        help="context size (default: 0, the model's)")
+    add(g, "-np", "--parallel", metavar="N", dest="parallel", type=_int, default=-1, env="LLAMA_ARG_N_PARALLEL",
+        help="server slots (default: -1, auto). One sequence is generated at a time: more requests are queued")
+    add(g, "-b", "--batch-size", metavar="N", dest="batch_size", type=_int, default=2048, env="LLAMA_ARG_BATCH",
+        help="logical maximum batch size (default: 2048)")
+    add(g, "-ub", "--ubatch-size", metavar="N", dest="ubatch_size", type=_int, default=512, env="LLAMA_ARG_UBATCH",
+        help="physical maximum batch size (default: 512)")
+    add(g, "-t", "--threads", metavar="N", dest="threads", type=_int, env="LLAMA_ARG_THREADS",
+        help="CPU threads for generation (default: all this process may use)")
+    add(g, "-tb", "--threads-batch", metavar="N", dest="threads_batch", type=_int,
+        help="CPU threads for prompt processing (default: same as --threads)")
+    add(g, "-ngl", "--gpu-layers", "--n-gpu-layers", metavar="N", dest="ngl", type=_layers, default="auto",
+        env="LLAMA_ARG_N_GPU_LAYERS", help="layers in VRAM: a number, 'auto' or 'all' (default: auto)")
+    add(g, "-fa", "--flash-attn", metavar="on|off|auto", dest="flash_attn", type=_on_off_auto, default=None,
+        env="LLAMA_ARG_FLASH_ATTN", help="flash attention (default: auto)")
+
+    g = ap.add_argument_group("sampling (a request's own values win)")
+    d = SamplingParams()
+    add(g, "--temp", "--temperature", metavar="N", dest="temp", type=_float, default=d.temperature,
+        help=f"temperature (default: {d.temperature:.2f})")
+    add(g, "--top-k", metavar="N", dest="top_k", type=_int, default=d.top_k, help=f"top-k (default: {d.top_k})")
+    add(g, "--top-p", metavar="N", dest="top_p", type=_float, default=d.top_p, help=f"top-p (default: {d.top_p})")
+    add(g, "--min-p", metavar="N", dest="min_p", type=_float, default=d.min_p, help=f"min-p (default: {d.min_p})")
+    add(g, "--repeat-penalty", metavar="N", dest="repeat_penalty", type=_float, default=d.repeat_penalty,
+        help=f"repetition penalty (default: {d.repeat_penalty:.1f}, 1.0 = disabled)")
+    add(g, "--repeat-last-n", metavar="N", dest="repeat_last_n", type=_int, default=d.repeat_last_n,
+        help=f"tokens the penalties look at (default: {d.repeat_last_n}, 0 = disabled, -1 = all)")
+    add(g, "--presence-penalty", metavar="N", dest="presence_penalty", type=_float, default=d.presence_penalty,
+        help="presence penalty (default: 0.0)")
+    add(g, "--frequency-penalty", metavar="N", dest="frequency_penalty", type=_float, default=d.frequency_penalty,
+        help="frequency penalty (default: 0.0)")
+    add(g, "-s", "--seed", metavar="SEED", dest="seed", type=_int, default=-1,
+        help="RNG seed (default: -1, a random seed)")
+    add(g, "-n", "--predict", "--n-predict", metavar="N", dest="n_predict", type=_int, default=-1,
+        env="LLAMA_ARG_N_PREDICT", help="tokens to predict at most, for every request (default: -1, no limit)")
+
+    g = ap.add_argument_group("server")
+    add(g, "--host", metavar="HOST", dest="host", default="127.0.0.1", env="LLAMA_ARG_HOST",
+        help="address to listen on (default: 127.0.0.1)")
+    add(g, "--port", metavar="PORT", dest="port", type=_int, default=8080, env="LLAMA_ARG_PORT",
+        help="port to listen on (default: 8080)")
+    add(g, "--api-key", metavar="KEY", dest="api_key", type=_csv, action=_Append, default=[], env="LLAMA_API_KEY",
+        help="API keys, comma-separated: requests then need 'Authorization: Bearer KEY' or 'X-Api-Key: KEY' "
+             "(/health and /v1/models stay public) (default: none)")
+    add(g, "--api-key-file", metavar="FNAME", dest="api_key_file",
+        help="file of API keys, one a line, '#' comments (default: none)")
+    add(g, "-v", "--verbose", dest="verbose", action="store_true", help="llama.cpp's log too")
+
+    g = ap.add_argument_group("accepted for compatibility (no effect here)")
+    add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
+    add(g, "--jinja", dest="_jinja", action="store_true", help="the chat template is always rendered with jinja")
+    add(g, "--no-webui", dest="_no_webui", action="store_true", help="there is no web UI")
+    add(g, "-cb", "--cont-batching", dest="_cb", action="store_true", help="one sequence at a time anyway")
+    return ap
+
+
+def _normalize(argv: Sequence[str]) -> list[str]:
+    """llama-server reads --long_option as --long-option."""
+    out = []
+    for a in argv:
+        if a.startswith("--") and len(a) > 2:
+            name, eq, val = a.partition("=")
+            a = name.replace("_", "-") + eq + val
+        out.append(a)
+    return out
+
+
+def _env_defaults(ap: argparse.ArgumentParser) -> None:
+    actions = {a.dest: a for a in ap._actions}
+    for dest, env in ENV.items():
+        raw = os.environ.get(env)
+        if raw is None:
+            continue
+        a = actions[dest]
+        try:
+            val: Any = a.type(raw) if a.type else raw  # type: ignore[operator]
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"environment variable {env}: {e}")
+        ap.set_defaults(**{dest: val})
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
+    """The command line as a ServerConfig; exits with a message (status 2) on a bad flag."""
+    ap = build_parser()
+    _env_defaults(ap)
+    args = ap.parse_args(_normalize(sys.argv[1:] if argv is None else argv))
+    try:
+        return _to_config(args)
+    except ArgError as e:
+        ap.error(str(e))
+
+
+def _to_config(a: argparse.Namespace) -> ServerConfig:
+    def check(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ArgError(msg)
+
+    spec = a.spec_type or ["none"]
+    check(a.parallel != 0, "invalid value for -np/--parallel: 0")
+    check(a.ctx_size >= 0, f"invalid value for -c/--ctx-size: {a.ctx_size}")
+    check(a.batch_size >= 1, f"invalid value for -b/--batch-size: {a.batch_size}")
+    check(a.ubatch_size >= 1, f"invalid value for -ub/--ubatch-size: {a.ubatch_size}")
+    check(a.n_max >= 0, f"invalid value for --spec-draft-n-max: {a.n_max}")
+    check(a.n_min >= 0, f"invalid value for --spec-draft-n-min: {a.n_min}")
+    check(0.0 <= a.p_min <= 1.0, f"--spec-draft-p-min must be in [0, 1], got {a.p_min}")
+    check(0 <= a.port <= 65535, f"invalid value for --port: {a.port}")
+    check(a.n_predict >= -1, f"invalid value for -n/--predict: {a.n_predict}")
+    for flag, v in (("-t/--threads", a.threads), ("-tb/--threads-batch", a.threads_batch)):
+        check(v is None or v >= -1, f"invalid value for {flag}: {v}")
+    for flag, v in (("-ngl", a.ngl), ("--spec-draft-ngl", a.ngl_draft)):
+        check(not isinstance(v, int) or v >= -2, f"invalid value for {flag}: {v}")
+    if a.model is not None:
+        check(Path(a.model).is_file(), f"model file not found: {a.model}")
+    if a.mtp_model is not None:
+        check(Path(a.mtp_model).is_file(), f"draft (MTP) model file not found: {a.mtp_model}")
+    keys = list(a.api_key)
+    if a.api_key_file:
+        try:
+            lines = Path(a.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ArgError(f"failed to open file '{a.api_key_file}': {e.strerror}") from None
+        keys += [ln for ln in lines if ln and not ln.startswith("#")]
+    try:
+        sampling = SamplingParams(
+            temperature=max(0.0, a.temp), top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+            repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
+            presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+        )
+    except ValueError as e:
+        raise ArgError(f"invalid sampling flag: {e}") from None
+
+    def threads(v: int | None) -> int | None:
+        return None if v is None or v <= 0 else v
+
+    return ServerConfig(
+        model=a.model,
+        mtp_model=a.mtp_model,
+        spec_type="draft-mtp" if "draft-mtp" in spec else "none",
+        mtp_mode=a.mtp_mode,
+        n_max=a.n_max,
+        n_min=a.n_min,
+        p_min=a.p_min,
+        n_ctx=a.ctx_size,
+        n_batch=a.batch_size,
+        n_ubatch=a.ubatch_size,
+        n_parallel=a.parallel,
+        n_threads=threads(a.threads),
+        n_threads_batch=threads(a.threads_batch),
+        n_gpu_layers=a.ngl,
+        n_gpu_layers_draft=a.ngl_draft,
+        flash_attn=a.flash_attn,
+        seed=a.seed,
+        n_predict=a.n_predict,
+        sampling=sampling,
+        host=a.host,
+        port=a.port,
+        api_keys=keys,
+        aliases=list(a.alias),
+        verbose=a.verbose,
+    )
+
+
+def setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.getLogger("stepmtp.llama").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("gguf").setLevel(logging.WARNING)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = []
+        lg.propagate = True
+
+
+def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[..., Any] | None = None) -> int:
+    cfg = parse_args(argv)
+    setup_logging(cfg.verbose)
+    # generation runs in a worker thread that holds the GIL between llama.cpp calls:
+    # a shorter switch interval lets the event loop answer (and stream) without
+    # waiting out the default 5 ms
+    sys.setswitchinterval(0.001)
+
+    import uvicorn
+
+    from .app import ServerState, create_app
+
+    state = ServerState(cfg, engine_factory)
+    app = create_app(cfg, state=state)
+    if cfg.model is None:
+        log.info("no -m given: serving the bundled default model")
+    if cfg.mtp_model and not cfg.speculative:
+        log.warning("--spec-draft-model is ignored without --spec-type draft-mtp")
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
+                                           timeout_graceful_shutdown=3, access_log=True))
+
+    def fatal() -> None:
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    server.run()
+    if state.exit_code:
+        return state.exit_code
+    return 0 if server.started else 1

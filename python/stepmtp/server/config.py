@@ -1,0 +1,118 @@
+"""What the server was started with: one dataclass the command line fills and the
+app reads, and how it turns into an Engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+#: llama.cpp's LLAMA_DEFAULT_SEED: "a random seed", as llama-server reports it
+DEFAULT_SEED = 0xFFFFFFFF
+
+SpecType = Literal["draft-mtp", "none"]
+MTPMode = Literal["chain", "single"]
+
+
+def default_model_path() -> Path:
+    """The model served when no ``-m`` is given: for now the tiny agree model that
+    ``python -m stepmtp`` generates (one definition, in ``stepmtp.__main__``)."""
+    from ..__main__ import _default_model
+
+    return _default_model()
+
+
+@dataclass
+class ServerConfig:
+    """The server's settings, named after llama-server's flags."""
+
+    #: -m; None: the bundled default model (``default_model_path``)
+    model: str | None = None
+    #: --spec-draft-model: a separate MTP-only GGUF with the heads
+    mtp_model: str | None = None
+    #: --spec-type: "draft-mtp" (the MTP heads draft) or "none" (plain decoding)
+    spec_type: SpecType = "none"
+    #: --spec-mtp-mode: "chain" (head i drafts step i) or "single" (head 0 looped)
+    mtp_mode: MTPMode = "chain"
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.0
+    #: -c; 0: the model's training context
+    n_ctx: int = 0
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    #: -np as given (-1: auto); requests are served one at a time whatever it is
+    n_parallel: int = -1
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+    n_gpu_layers: int | str = "auto"
+    n_gpu_layers_draft: int | str | None = None
+    flash_attn: bool | None = None
+    #: --seed; -1 (or 4294967295): random
+    seed: int = -1
+    #: server-wide cap on n_predict (-n); -1: none
+    n_predict: int = -1
+    #: default sampling of a request (--temp, --top-k, ...)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: list[str] = field(default_factory=list)
+    #: -a/--alias, in the order given
+    aliases: list[str] = field(default_factory=list)
+    verbose: bool = False
+
+    # -- derived ------------------------------------------------------------------
+
+    @property
+    def speculative(self) -> bool:
+        return self.spec_type == "draft-mtp"
+
+    @property
+    def engine_mode(self) -> str:
+        return self.mtp_mode if self.speculative else "none"
+
+    @property
+    def total_slots(self) -> int:
+        """Slots as llama-server would count them (-np, auto: 1 here since one
+        sequence is served at a time)."""
+        return self.n_parallel if self.n_parallel > 0 else 1
+
+    @property
+    def seed_u32(self) -> int:
+        return DEFAULT_SEED if self.seed < 0 else self.seed & 0xFFFFFFFF
+
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else default_model_path()
+
+    def model_name(self, path: Path | None = None) -> str:
+        """What responses call the model: llama-server takes the first alias (its
+        aliases are a sorted set), else the -m path as given."""
+        if self.aliases:
+            return sorted(self.aliases)[0]
+        return self.model if self.model else str(path or self.model_path())
+
+    def load_engine(self, path: Path | None = None) -> "Engine":
+        from ..engine import Engine
+
+        path = path or self.model_path()
+        return Engine(
+            path,
+            mtp_model=self.mtp_model if self.speculative else None,
+            mode=self.engine_mode,  # type: ignore[arg-type]
+            n_max=self.n_max,
+            n_min=self.n_min,
+            p_min=self.p_min,
+            n_ctx=self.n_ctx,
+            n_batch=self.n_batch,
+            n_ubatch=self.n_ubatch,
+            n_threads=self.n_threads,
+            n_threads_batch=self.n_threads_batch,
+            n_gpu_layers=self.n_gpu_layers,
+            n_gpu_layers_draft=self.n_gpu_layers_draft,
+            seed=self.seed if 0 <= self.seed < DEFAULT_SEED else -1,
+            flash_attn=self.flash_attn,
+        )

@@ -1,0 +1,41 @@
+"""Errors in llama-server's (OpenAI's) shape:
+``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``."""
+from __future__ import annotations
+
+from typing import Any
+
+#: llama-server's error types and their HTTP status (server-common.cpp, format_error_response)
+ERROR_TYPES: dict[str, int] = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "not_found_error": 404,
+    "server_error": 500,
+    "permission_error": 403,
+    "not_supported_error": 501,
+    "unavailable_error": 503,
+    "exceed_context_size_error": 400,
+}
+
+
+class APIError(Exception):
+    """Raised by a route; answered as llama-server's error JSON."""
+
+    def __init__(self, message: str, type_: str = "invalid_request_error", **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.type = type_
+        self.code = ERROR_TYPES.get(type_, 500)
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, **self.extra)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", **extra: Any) -> dict[str, Any]:
+    err: dict[str, Any] = {"code": ERROR_TYPES.get(type_, 500), "message": message, "type": type_}
+    err.update(extra)
+    return {"error": err}
+
+
+def bad_request(message: str) -> APIError:
+    return APIError(message, "invalid_request_error")

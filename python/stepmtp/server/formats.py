@@ -1,0 +1,311 @@
+"""Response bodies in llama-server's shapes (tools/server/server-task.cpp):
+native /completion results and stream chunks, OpenAI completions and chat
+(whole and streamed), timings, usage, and SSE framing."""
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import string
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import Completion
+from ..sampling import SamplingParams
+from ..stats import GenStats
+
+_ALNUM = string.digits + string.ascii_uppercase + string.ascii_lowercase
+
+
+def completion_id() -> str:
+    """llama-server's gen_chatcmplid(), used for completions and chat alike."""
+    return "chatcmpl-" + "".join(secrets.choice(_ALNUM) for _ in range(32))
+
+
+def _finite(x: float) -> float | None:
+    # JSON has no inf/nan; llama-server's nlohmann writes them as null
+    return x if math.isfinite(x) else None
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event as llama-server writes it."""
+    return "data: " + dumps(obj) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+@dataclass
+class Settings:
+    """A request's settings once resolved (what generation_settings reports)."""
+
+    sampling: SamplingParams
+    seed: int  # as llama-server shows it: 4294967295 for random
+    n_predict: int
+    stop: list[str]
+    stream: bool
+    ignore_eos: bool = False
+    logit_bias: list[tuple[int, float | None]] = field(default_factory=list)
+    spec_type: str = "none"
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.0
+    mtp_mode: str = "chain"
+
+
+def generation_settings(s: Settings) -> dict[str, Any]:
+    """task_params::to_json(): llama-server's keys, with the values this server used
+    (the samplers it lacks at their disabled values)."""
+    p = s.sampling
+    return {
+        "seed": s.seed,
+        "temperature": p.temperature,
+        "dynatemp_range": 0.0,
+        "dynatemp_exponent": 1.0,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "top_n_sigma": -1.0,
+        "xtc_probability": 0.0,
+        "xtc_threshold": 0.1,
+        "typical_p": 1.0,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "dry_multiplier": 0.0,
+        "dry_base": 1.75,
+        "dry_allowed_length": 2,
+        "dry_penalty_last_n": -1,
+        "dry_sequence_breakers": ["\n", ":", "\"", "*"],
+        "mirostat": 0,
+        "mirostat_tau": 5.0,
+        "mirostat_eta": 0.1,
+        "stop": list(s.stop),
+        "max_tokens": s.n_predict,
+        "n_predict": s.n_predict,
+        "n_keep": 0,
+        "n_discard": 0,
+        "ignore_eos": s.ignore_eos,
+        "stream": s.stream,
+        "logit_bias": [{"bias": b, "token": t} for t, b in s.logit_bias],  # None: -inf, as nlohmann writes it
+        "n_probs": 0,
+        "min_keep": 0,
+        "grammar": "",
+        "grammar_lazy": False,
+        "grammar_triggers": [],
+        "preserved_tokens": [],
+        "chat_format": "Content-only",
+        "reasoning_format": "none",
+        "reasoning_in_content": False,
+        "generation_prompt": "",
+        "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+        "speculative.types": s.spec_type,
+        "speculative.n_max": s.n_max,
+        "speculative.n_min": s.n_min,
+        "speculative.p_min": s.p_min,
+        "speculative.mtp_mode": s.mtp_mode if s.spec_type != "none" else "none",
+        "timings_per_token": False,
+        "post_sampling_probs": False,
+        "backend_sampling": False,
+        "lora": [],
+    }
+
+
+def timings(st: GenStats, predicted_n: int) -> dict[str, Any]:
+    """result_timings::to_json(): draft_n / draft_n_accepted only when something was drafted."""
+    prompt_n, prompt_ms, pred_ms = st.n_prompt, st.t_prompt_ms, st.t_gen_ms
+    t: dict[str, Any] = {
+        "cache_n": 0,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": _finite(prompt_ms / prompt_n) if prompt_n else None,
+        "prompt_per_second": _finite(1e3 / prompt_ms * prompt_n) if prompt_ms > 0 else None,
+        "predicted_n": predicted_n,
+        "predicted_ms": pred_ms,
+        "predicted_per_token_ms": _finite(pred_ms / predicted_n) if predicted_n else None,
+        "predicted_per_second": _finite(1e3 / pred_ms * predicted_n) if pred_ms > 0 else None,
+    }
+    if st.n_drafted > 0:
+        t["draft_n"] = st.n_drafted
+        t["draft_n_accepted"] = st.n_accepted
+    return t
+
+
+def mtp_info(st: GenStats, mode: str, n_heads: int, n_draft: int) -> dict[str, Any]:
+    """This server's extra field: what the MTP heads did, per draft depth."""
+    return {
+        "mode": mode,
+        "n_heads": n_heads,
+        "n_draft": n_draft,
+        "rounds": st.n_rounds,
+        "draft_n": st.n_drafted,
+        "draft_n_accepted": st.n_accepted,
+        "accept_rate": st.accept_rate,
+        "draft_n_per_depth": list(st.drafted_per_depth),
+        "draft_n_accepted_per_depth": list(st.accepted_per_depth),
+    }
+
+
+@dataclass
+class ResultInfo:
+    """What every final response needs besides the Completion."""
+
+    model: str
+    n_ctx: int
+    settings: Settings
+    mtp_mode: str
+    n_heads: int
+    n_draft: int
+    prompt_text: str = ""
+    id: str = ""
+    created: int = 0
+
+
+def n_decoded(c: Completion) -> int:
+    """llama-server's n_decoded: tokens sampled, the end-of-generation token included."""
+    return c.stats.n_predicted if c.stats.n_predicted else len(c.tokens)
+
+
+def truncated(c: Completion, info: ResultInfo) -> bool:
+    """The context filled before n_predict (or an end) was reached."""
+    return c.stop_type == "limit" and not 0 < info.settings.n_predict <= len(c.tokens)
+
+
+def oai_finish_reason(c: Completion) -> str:
+    return "stop" if c.stop_type in ("eos", "word") else "length"
+
+
+def native_final(c: Completion, info: ResultInfo, *, index: int = 0, stream: bool = False,
+                 return_tokens: bool = False) -> dict[str, Any]:
+    """server_task_result_cmpl_final::to_json_non_oaicompat() (+ "mtp")."""
+    nd = n_decoded(c)
+    return {
+        "index": index,
+        "content": "" if stream else c.text,
+        "tokens": [] if stream or not return_tokens else list(c.tokens),
+        "id_slot": 0,
+        "stop": True,
+        "model": info.model,
+        "tokens_predicted": nd,
+        "tokens_evaluated": len(c.prompt_tokens),
+        "generation_settings": generation_settings(info.settings),
+        "prompt": info.prompt_text,
+        "has_new_line": "\n" in c.text,
+        "truncated": truncated(c, info),
+        "stop_type": c.stop_type,
+        "stopping_word": c.stopping_word,
+        "tokens_cached": len(c.prompt_tokens) + len(c.tokens),
+        "timings": timings(c.stats, nd),
+        "mtp": mtp_info(c.stats, info.mtp_mode, info.n_heads, info.n_draft),
+    }
+
+
+def native_partial(text: str, tokens: list[int], n_decoded_so_far: int, n_prompt: int,
+                   index: int = 0) -> dict[str, Any]:
+    """server_task_result_cmpl_partial::to_json_non_oaicompat()."""
+    return {
+        "index": index,
+        "content": text,
+        "tokens": tokens,
+        "stop": False,
+        "id_slot": 0,
+        "tokens_predicted": n_decoded_so_far,
+        "tokens_evaluated": n_prompt,
+    }
+
+
+def usage(results: list[Completion]) -> dict[str, Any]:
+    completion = sum(n_decoded(c) for c in results)
+    prompt = sum(len(c.prompt_tokens) for c in results)
+    return {
+        "completion_tokens": completion,
+        "prompt_tokens": prompt,
+        "total_tokens": completion + prompt,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _envelope(info: ResultInfo, obj: str) -> dict[str, Any]:
+    from .. import __version__
+
+    return {
+        "created": info.created or int(time.time()),
+        "model": info.model,
+        "system_fingerprint": f"stepmtp-{__version__}",
+        "object": obj,
+        "id": info.id,
+    }
+
+
+def oai_completion(results: list[Completion], info: ResultInfo) -> dict[str, Any]:
+    """to_json_oaicompat(), several results merged into one choices list as llama-server does."""
+    res: dict[str, Any] = {
+        "choices": [
+            {"text": c.text, "index": i, "logprobs": None, "finish_reason": oai_finish_reason(c)}
+            for i, c in enumerate(results)
+        ],
+    }
+    res.update(_envelope(info, "text_completion"))
+    res["usage"] = usage(results)
+    res["timings"] = timings(results[0].stats, n_decoded(results[0]))
+    res["mtp"] = mtp_info(results[0].stats, info.mtp_mode, info.n_heads, info.n_draft)
+    return res
+
+
+def oai_completion_chunk(text: str, info: ResultInfo, *, index: int = 0) -> dict[str, Any]:
+    res: dict[str, Any] = {"choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": None}]}
+    res.update(_envelope(info, "text_completion"))
+    return res
+
+
+def oai_completion_final_chunk(c: Completion, info: ResultInfo) -> dict[str, Any]:
+    """The stream's last event: the final result with its text already sent."""
+    res: dict[str, Any] = {"choices": [{"text": "", "index": 0, "logprobs": None,
+                                        "finish_reason": oai_finish_reason(c)}]}
+    res.update(_envelope(info, "text_completion"))
+    res["usage"] = usage([c])
+    res["timings"] = timings(c.stats, n_decoded(c))
+    res["mtp"] = mtp_info(c.stats, info.mtp_mode, info.n_heads, info.n_draft)
+    return res
+
+
+def oai_chat(results: list[Completion], info: ResultInfo) -> dict[str, Any]:
+    """to_json_oaicompat_chat()."""
+    res: dict[str, Any] = {
+        "choices": [
+            {"finish_reason": oai_finish_reason(c), "index": i,
+             "message": {"role": "assistant", "content": c.text}}
+            for i, c in enumerate(results)
+        ],
+    }
+    res.update(_envelope(info, "chat.completion"))
+    res["usage"] = usage(results)
+    res["timings"] = timings(results[0].stats, n_decoded(results[0]))
+    res["mtp"] = mtp_info(results[0].stats, info.mtp_mode, info.n_heads, info.n_draft)
+    return res
+
+
+def oai_chat_chunk(delta: dict[str, Any], info: ResultInfo, finish_reason: str | None = None) -> dict[str, Any]:
+    res: dict[str, Any] = {"choices": [{"finish_reason": finish_reason, "index": 0, "delta": delta}]}
+    res.update(_envelope(info, "chat.completion.chunk"))
+    return res
+
+
+def oai_chat_final_chunks(c: Completion, info: ResultInfo, include_usage: bool) -> list[dict[str, Any]]:
+    """to_json_oaicompat_chat_stream(): the finish chunk, the usage chunk when asked
+    for (empty choices), timings on the last."""
+    out = [oai_chat_chunk({}, info, oai_finish_reason(c))]
+    if include_usage:
+        u: dict[str, Any] = {"choices": []}
+        u.update(_envelope(info, "chat.completion.chunk"))
+        u["usage"] = usage([c])
+        out.append(u)
+    out[-1]["timings"] = timings(c.stats, n_decoded(c))
+    out[-1]["mtp"] = mtp_info(c.stats, info.mtp_mode, info.n_heads, info.n_draft)
+    return out

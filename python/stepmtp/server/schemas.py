@@ -1,0 +1,350 @@
+"""Request bodies, as pydantic models with llama-server's field names and defaults.
+
+Validation is strict about types (``"n_predict": "8"`` is an error, not 8) and
+about the ranges llama-server refuses (``n_predict`` below -1, ...); a field it
+clamps (``top_p`` above 1, a negative ``temperature``) is clamped the same way
+later. Fields this server does not know are accepted and ignored, as llama-server
+does; the sampling features it lacks are refused when a request turns them on.
+Errors become llama-server's 400 error JSON (``format_validation_error``).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+                      field_validator)
+
+INT32_MAX = 2**31 - 1
+
+
+def _integral(v: Any) -> Any:
+    # 8.0 is an integer to JSON clients that only have doubles; "8" and true are not
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+# -- prompt ---------------------------------------------------------------------
+
+#: A prompt after validation: its pieces in order, strings to tokenize and token ids.
+PromptPieces = list[Union[int, str]]
+
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+        {"type": "array", "items": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+        ]}},
+    ],
+    "description": "A string, a list of token ids (and strings), or a list of such prompts.",
+}
+
+_PROMPT_SHAPE = ("must be a string, a list of token ids (strings may be mixed in), "
+                 "or a list of such prompts")
+
+
+def _is_token(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) or isinstance(x, float) and x.is_integer()
+
+
+def _pieces(p: Any) -> PromptPieces:
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list):
+        out: PromptPieces = []
+        for x in p:
+            if isinstance(x, str):
+                out.append(x)
+            elif _is_token(x):
+                out.append(int(x))
+            else:
+                raise ValueError(f"'prompt' {_PROMPT_SHAPE}; found {type(x).__name__} {x!r} in a token list")
+        return out
+    if isinstance(p, dict):
+        if "multimodal_data" in p:
+            raise ValueError("multimodal prompts are not supported by this server")
+        if isinstance(p.get("prompt_string"), str):
+            return [p["prompt_string"]]
+    raise ValueError(f"'prompt' {_PROMPT_SHAPE}")
+
+
+def parse_prompts(value: Any) -> list[PromptPieces]:
+    """llama-server's reading of ``prompt``: a list holding a number is one prompt
+    (tokens, strings mixed in); any other list is a list of prompts."""
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("'prompt' must not be empty")
+        if any(_is_token(x) for x in value):
+            return [_pieces(value)]
+        return [_pieces(p) for p in value]
+    return [_pieces(value)]
+
+
+Prompt = Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+
+
+# -- the common fields of the completion routes --------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class GenerationFields(_Request):
+    """Sampling and stopping, shared by /completion, /v1/completions and /v1/chat/completions."""
+
+    n_predict: Optional[Int] = Field(None, ge=-1, le=INT32_MAX,
+                                     description="Tokens to generate at most; -1: no limit (default)")
+    max_tokens: Optional[Int] = Field(None, ge=-1, le=INT32_MAX, description="OpenAI's name for n_predict")
+    max_completion_tokens: Optional[Int] = Field(None, ge=-1, le=INT32_MAX,
+                                                 description="OpenAI's newer name for n_predict")
+    temperature: Optional[float] = Field(None, description="0: greedy. Default: the server's --temp (0.8)")
+    top_k: Optional[Int] = Field(None, description="0: disabled. Default 40")
+    top_p: Optional[float] = Field(None, description="1.0: disabled. Default 0.95")
+    min_p: Optional[float] = Field(None, description="0.0: disabled. Default 0.05")
+    repeat_penalty: Optional[float] = Field(None, description="1.0: disabled (default)")
+    repeat_last_n: Optional[Int] = Field(None, ge=-1, le=INT32_MAX,
+                                         description="Tokens the penalties look back at; -1: all. Default 64")
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    seed: Optional[Int] = Field(None, description="-1: random (default)")
+    stop: Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                                                   {"type": "null"}]})] = Field(None, validate_default=True)
+    ignore_eos: bool = False
+    logit_bias: Annotated[Any, WithJsonSchema({"anyOf": [{"type": "array"}, {"type": "object"}, {"type": "null"}]})] = Field(
+        None, validate_default=True)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n_cmpl: Optional[Int] = Field(None, ge=1, description="Completions per prompt (also 'n')")
+    n: Optional[Int] = Field(None, ge=1)
+    return_tokens: bool = False
+    # accepted, no effect here
+    cache_prompt: bool = True
+    timings_per_token: bool = False
+    id_slot: Int = -1
+    # llama-server's samplers this server does not have: refused when turned on
+    n_probs: Int = Field(0, ge=0)
+    mirostat: Int = 0
+    typical_p: float = 1.0
+    dynatemp_range: float = 0.0
+    dry_multiplier: float = 0.0
+    xtc_probability: float = 0.0
+    grammar: Optional[str] = None
+    json_schema: Optional[Any] = None
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str]:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return list(v)
+        raise ValueError("'stop' must be a string or a list of strings")
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _logit_bias(cls, v: Any) -> list[tuple[Union[int, str], Optional[float]]]:
+        """[[token or text, bias or false], ...] or {"token or text": bias or false}; None = -inf."""
+        if v is None:
+            return []
+        pairs: list[tuple[Any, Any]]
+        if isinstance(v, dict):
+            pairs = list(v.items())
+        elif isinstance(v, list):
+            pairs = []
+            for p in v:
+                if not (isinstance(p, list) and len(p) == 2):
+                    raise ValueError("'logit_bias' must be [[token, bias], ...] or {token: bias}")
+                pairs.append((p[0], p[1]))
+        else:
+            raise ValueError("'logit_bias' must be [[token, bias], ...] or {token: bias}")
+        out: list[tuple[Union[int, str], Optional[float]]] = []
+        for key, bias in pairs:
+            if isinstance(key, str) and key.lstrip("-").isdigit():
+                key = int(key)
+            elif not (isinstance(key, str) or _is_token(key)):
+                raise ValueError(f"'logit_bias': {key!r} is neither a token id nor a text")
+            if bias is False:
+                b: Optional[float] = None
+            elif isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias == bias \
+                    and abs(bias) != float("inf"):
+                b = float(bias)
+            else:
+                raise ValueError(f"'logit_bias': the bias of {key!r} must be a number or false")
+            out.append((int(key) if not isinstance(key, str) else key, b))
+        return out
+
+    def requested_n_predict(self) -> int | None:
+        for v in (self.n_predict, self.max_completion_tokens, self.max_tokens):
+            if v is not None:
+                return v
+        return None
+
+    def unsupported(self) -> list[str]:
+        """Features the request turns on that this server lacks."""
+        out = []
+        if self.n_probs > 0:
+            out.append("n_probs (token probabilities)")
+        if self.mirostat != 0:
+            out.append("mirostat")
+        if self.typical_p != 1.0:
+            out.append("typical_p")
+        if self.dynatemp_range != 0.0:
+            out.append("dynatemp_range")
+        if self.dry_multiplier != 0.0:
+            out.append("dry_multiplier (DRY)")
+        if self.xtc_probability != 0.0:
+            out.append("xtc_probability (XTC)")
+        if self.grammar:
+            out.append("grammar")
+        if self.json_schema is not None:
+            out.append("json_schema")
+        return out
+
+
+class CompletionRequest(GenerationFields):
+    """``POST /completion``: llama-server's native completion."""
+
+    prompt: Prompt = Field(..., description=_PROMPT_SCHEMA["description"])
+    response_fields: Optional[list[str]] = None
+
+    @field_validator("prompt", mode="after")
+    @classmethod
+    def _prompt(cls, v: Any) -> list[PromptPieces]:
+        return parse_prompts(v)
+
+
+class OAICompletionRequest(CompletionRequest):
+    """``POST /v1/completions``: OpenAI's completions."""
+
+    model: Optional[str] = None
+    echo: bool = False
+    logprobs: Optional[Int] = None
+    best_of: Optional[Any] = None
+    suffix: Optional[Any] = None
+
+    def unsupported(self) -> list[str]:
+        out = super().unsupported()
+        if self.echo:
+            out.append("echo (only no echo is supported)")
+        if self.logprobs:
+            out.append("logprobs")
+        if self.best_of is not None:
+            out.append("best_of")
+        if self.suffix is not None:
+            out.append("suffix")
+        return out
+
+
+class ContentPart(_Request):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.type != "text":
+                raise ValueError(f"content parts of type {p.type!r} are not supported (text only)")
+            parts.append(p.text or "")
+        return "\n".join(parts)
+
+
+class ChatCompletionRequest(GenerationFields):
+    """``POST /v1/chat/completions``: OpenAI's chat completions, rendered with the GGUF's template."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    model: Optional[str] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Int] = None
+
+    def unsupported(self) -> list[str]:
+        out = super().unsupported()
+        if self.tools:
+            out.append("tools (tool calls)")
+        if self.logprobs:
+            out.append("logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out.append(f"response_format {self.response_format.get('type')!r}")
+        return out
+
+
+class TokenizeRequest(_Request):
+    content: Prompt = Field(..., description="Text (or a list of texts and token ids) to tokenize")
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content(cls, v: Any) -> PromptPieces:
+        if isinstance(v, str):
+            return [v]
+        return _pieces(v)
+
+
+class DetokenizeRequest(_Request):
+    tokens: list[Int] = Field(default_factory=list)
+
+
+class ApplyTemplateRequest(_Request):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+# -- errors ---------------------------------------------------------------------
+
+
+def format_validation_error(exc: ValidationError | Any) -> str:
+    """One line naming each bad field, e.g. ``n_predict: Input should be greater than or equal to -1``."""
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    msgs = []
+    for e in errors:
+        typ = e.get("type", "")
+        if typ == "json_invalid":
+            ctx = e.get("ctx") or {}
+            msgs.append(f"the body is not valid JSON: {ctx.get('error', e.get('msg', ''))}")
+            continue
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        msg = e.get("msg", "invalid")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if typ == "missing":
+            msgs.append(f"'{where}' is required")
+        elif typ == "model_type" and not loc:
+            msgs.append("the body must be a JSON object")
+        elif where and not msg.startswith(f"'{where.split('.')[0]}'"):
+            msgs.append(f"{where}: {msg}")
+        else:
+            msgs.append(msg)
+    seen: list[str] = []
+    for m in msgs:
+        if m not in seen:
+            seen.append(m)
+    return "; ".join(seen) or "invalid request"

@@ -1,0 +1,212 @@
+"""The generation thread: one engine, one request at a time, off the event loop.
+
+Requests become ``Job``s in a FIFO queue. The worker thread runs each job's
+``Engine.stream`` generator and hands what it yields to the event loop through a
+``Channel``; a job cancelled by its client (``Job.cancel``, e.g. on a disconnect)
+is stopped at its next token and its generator is closed right there, in the
+worker thread, so the engine's lock is released before the next job starts
+(never left to the garbage collector).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..engine import Chunk, Completion, Engine
+from ..sampling import SamplingParams
+
+log = logging.getLogger("stepmtp.server")
+
+__all__ = ["GenRequest", "Job", "Worker", "Channel", "Cancelled"]
+
+
+class Cancelled(Exception):
+    """The job was cancelled before it finished."""
+
+
+class Channel:
+    """Items from the worker thread to one coroutine of the event loop.
+
+    ``put`` never blocks and wakes the loop only when the channel was empty, so a
+    consumer that falls behind gets the tokens in batches rather than paying one
+    loop wake-up per token.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[tuple[str, Any]] = deque()
+        self._lock = threading.Lock()
+        self._event = asyncio.Event()
+
+    def put(self, kind: str, payload: Any = None) -> None:  # worker thread
+        with self._lock:
+            wake = not self._items
+            self._items.append((kind, payload))
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def get_nowait(self) -> list[tuple[str, Any]]:  # event loop
+        """Everything put so far, perhaps nothing."""
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+            self._event.clear()
+            return items
+
+    async def get(self) -> list[tuple[str, Any]]:  # event loop
+        """Everything put so far (waits for at least one item)."""
+        while True:
+            with self._lock:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    self._event.clear()
+                    return items
+                self._event.clear()
+            await self._event.wait()
+
+
+@dataclass
+class GenRequest:
+    """One generation, ready to run: tokens in, every setting resolved."""
+
+    prompt_tokens: list[int]
+    n_predict: int
+    stop: list[str]
+    sampling: SamplingParams
+    #: post every chunk (streaming) or only the result
+    stream: bool
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Job:
+    request: GenRequest
+    channel: Channel
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    t_queued: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Stop the job (it is skipped if still queued); safe from any thread, any time."""
+        self.cancelled.set()
+
+
+class Worker:
+    """Runs jobs on ``engine`` in a dedicated thread, in the order submitted.
+
+    ``on_done(job, completion_or_None, error_or_None, tokens_seen)`` runs in the
+    worker thread after every job that started (metrics hook).
+    """
+
+    def __init__(self, engine: Engine, on_done: Callable[..., None] | None = None,
+                 on_start: Callable[[Job], None] | None = None) -> None:
+        self.engine = engine
+        self.on_done = on_done
+        self.on_start = on_start
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self.current: Job | None = None
+        self._thread = threading.Thread(target=self._loop, name="stepmtp-generate", daemon=True)
+        self._stopping = False
+        self._thread.start()
+
+    @property
+    def n_waiting(self) -> int:
+        return self._jobs.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def submit(self, job: Job) -> None:
+        if self._stopping:
+            raise RuntimeError("the server is shutting down")
+        self._jobs.put(job)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Cancel what runs, drop what waits, end the thread; True when it ended."""
+        self._stopping = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.channel.put("error", Cancelled("the server is shutting down"))
+        cur = self.current
+        if cur is not None:
+            cur.cancel()
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- the thread -------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                job.channel.put("error", Cancelled("cancelled while queued"))
+                continue
+            self.current = job
+            try:
+                self._run(job)
+            finally:
+                self.current = None
+
+    def _run(self, job: Job) -> None:
+        req = job.request
+        result: Completion | None = None
+        error: BaseException | None = None
+        n_seen = 0
+        if self.on_start is not None:
+            self.on_start(job)
+        try:
+            gen = self.engine.stream(req.prompt_tokens, n_predict=req.n_predict, stop=req.stop,
+                                     sampling=req.sampling)
+        except BaseException as e:  # noqa: BLE001 - reported to the request
+            error = e
+        else:
+            try:
+                while True:
+                    if job.cancelled.is_set():
+                        error = Cancelled("cancelled by the client")
+                        break
+                    try:
+                        chunk: Chunk = next(gen)
+                    except StopIteration as done:
+                        result = done.value
+                        break
+                    n_seen += len(chunk.tokens)
+                    if req.stream:
+                        job.channel.put("chunk", chunk)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+            finally:
+                gen.close()  # releases the engine's lock now, in this thread
+        if error is not None and not isinstance(error, Cancelled):
+            log.error("generation failed: %s: %s", type(error).__name__, error)
+        if self.on_done is not None:
+            try:
+                self.on_done(job, result, error, n_seen)
+            except Exception:  # noqa: BLE001 - metrics must not break serving
+                log.exception("metrics update failed")
+        if error is not None:
+            job.channel.put("error", error)
+        else:
+            job.channel.put("done", result)

@@ -1,0 +1,585 @@
+"""``python -m stepmtp.server``: llama-server's routes and shapes, run as a real
+subprocess on the tiny agree model (drafts partly accepted), and compared with
+the engine called directly."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stepmtp import Engine
+from stepmtp.tiny import write_agree_model
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+N = 40
+N_CTX = 8192
+KEY = "sk-stepmtp-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+# -- a server subprocess ------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m stepmtp.server ARGS --host 127.0.0.1 --port P``, its log in a file."""
+
+    def __init__(self, args: list[str], log_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.args, self.log_dir = args, log_dir
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "LLAMA_API_KEY"))}
+        self.env.update(extra_env or {})
+        self._log = None
+        self._start()
+
+    def _start(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.log_dir / f"server-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stepmtp.server", *self.args, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+        )
+
+    def exit_code(self, timeout: float) -> int:
+        """Wait for the process to end (it should: a bad start), retrying on a port taken meanwhile."""
+        for _ in range(3):
+            rc = self.proc.wait(timeout)
+            if "address already in use" not in self.log():
+                return rc
+            self._log.close()
+            self._start()
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        retries = 3
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                if "address already in use" in self.log() and retries:  # another process took the port
+                    retries -= 1
+                    self._log.close()
+                    self._start()
+                    continue
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"the server was not healthy within {timeout} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(15)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def agree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+
+
+@pytest.fixture(scope="module")
+def server(agree: Path, tmp_path_factory: pytest.TempPathFactory):
+    # -t 1: the tests share a small machine; two spinning llama.cpp threads on a busy
+    # core are far slower than one
+    srv = ServerProcess(["-m", str(agree), "--spec-type", "draft-mtp", "-c", str(N_CTX), "-np", "2", "-t", "1",
+                         "--api-key", KEY], tmp_path_factory.mktemp("server"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def direct(agree: Path):
+    """The engine called directly, with the server's settings, at temperature 0."""
+    with Engine(agree, mode="chain", n_ctx=N_CTX, n_threads=1) as eng:
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+        chat = eng.apply_chat_template([{"role": "user", "content": "hello"}])
+        yield {"completion": out, "prompt_tokens": eng.tokenize(PROMPT), "chat_prompt": chat,
+               "chat": eng.generate(chat, n_predict=N, temperature=0)}
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of an SSE stream (and the "[DONE]" marker as a string)."""
+    out = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_healthy(server: ServerProcess) -> None:
+    r = httpx.get(server.url + "/health", timeout=10.0)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+# -- the simple routes -----------------------------------------------------------------
+
+
+def test_health_props_models(server, client, agree):
+    assert_healthy(server)
+    assert httpx.get(server.url + "/v1/health", timeout=10).json() == {"status": "ok"}
+    props = client.get("/props").json()
+    assert props["total_slots"] == 2
+    assert props["default_generation_settings"]["n_ctx"] == N_CTX
+    assert props["default_generation_settings"]["params"]["speculative.types"] == "draft-mtp"
+    assert props["model_path"] == str(agree)
+    assert "<|im_start|>" in props["chat_template"]
+    assert props["stepmtp"]["mtp_mode"] == "chain" and props["stepmtp"]["n_heads"] == 3
+    for route in ("/v1/models", "/models"):
+        models = client.get(route).json()
+        assert models["object"] == "list"
+        (m,) = models["data"]
+        assert m["id"] == str(agree) and m["object"] == "model" and m["owned_by"] == "llamacpp"
+        assert m["meta"]["n_vocab"] == 512 and m["meta"]["n_ctx"] == N_CTX and m["meta"]["vocab_type"] == 2
+
+
+def test_openapi_spec(client):
+    spec = client.get("/openapi.json").json()
+    for path in ("/completion", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                 "/health", "/props", "/v1/models", "/metrics"):
+        assert path in spec["paths"], path
+    schemas = spec["components"]["schemas"]
+    assert "prompt" in schemas["CompletionRequest"]["properties"]
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+    body = spec["paths"]["/completion"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/CompletionRequest")
+
+
+def test_tokenize_detokenize(client, direct):
+    r = client.post("/tokenize", json={"content": PROMPT, "add_special": True}).json()
+    assert r["tokens"] == direct["prompt_tokens"]
+    plain = client.post("/tokenize", json={"content": PROMPT}).json()["tokens"]
+    assert plain == direct["prompt_tokens"][1:]  # add_special defaults to false: no BOS
+    pieces = client.post("/tokenize", json={"content": "hello world", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "hello world"
+    assert all(isinstance(p["id"], int) for p in pieces)
+    assert client.post("/detokenize", json={"tokens": plain}).json() == {"content": PROMPT}
+    assert client.post("/detokenize", json={}).json() == {"content": ""}
+
+
+# -- /completion -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["/completion", "/completions"])
+def test_completion_equals_the_engine(client, direct, route):
+    want = direct["completion"]
+    r = client.post(route, json={"prompt": PROMPT, "n_predict": N, "temperature": 0, "return_tokens": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == want.text
+    assert body["tokens"] == want.tokens
+    assert body["stop"] is True and body["stop_type"] == "limit" and body["stopping_word"] == ""
+    assert body["tokens_predicted"] == N
+    assert body["tokens_evaluated"] == len(direct["prompt_tokens"])
+    assert body["truncated"] is False and isinstance(body["has_new_line"], bool)
+    assert body["model"].endswith("tiny-agree.gguf")
+    gs = body["generation_settings"]
+    assert gs["n_predict"] == N and gs["temperature"] == 0 and gs["seed"] == 4294967295
+    t = body["timings"]
+    for k in ("prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
+              "predicted_ms", "predicted_per_token_ms", "predicted_per_second", "draft_n", "draft_n_accepted"):
+        assert k in t, k
+    assert t["prompt_n"] == len(direct["prompt_tokens"]) and t["predicted_n"] == N
+    assert t["draft_n"] == want.stats.n_drafted and t["draft_n_accepted"] == want.stats.n_accepted
+    mtp = body["mtp"]
+    assert mtp["mode"] == "chain" and mtp["n_heads"] == 3
+    assert mtp["draft_n_per_depth"] == want.stats.drafted_per_depth
+    assert mtp["draft_n_accepted_per_depth"] == want.stats.accepted_per_depth
+    assert sum(mtp["draft_n_per_depth"]) == t["draft_n"] and 0 < t["draft_n_accepted"] < t["draft_n"]
+
+
+def test_completion_prompt_as_tokens_and_mixed(client, direct):
+    want = direct["completion"].text
+    toks = direct["prompt_tokens"]
+    for prompt in (toks, [toks], [toks[0], PROMPT]):  # ids; one prompt in a list; an id then text
+        r = client.post("/completion", json={"prompt": prompt, "n_predict": N, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["content"] == want
+    # a list of prompts: one result each, in order
+    r = client.post("/completion", json={"prompt": [PROMPT, "hello"], "n_predict": 8, "temperature": 0})
+    results = r.json()
+    assert isinstance(results, list) and [x["index"] for x in results] == [0, 1]
+    assert results[0]["content"] == want[: len(results[0]["content"])]
+
+
+def test_completion_stream_concatenates_to_the_whole(client, direct):
+    want = direct["completion"]
+    with client.stream("POST", "/completion",
+                       json={"prompt": PROMPT, "n_predict": N, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert "[DONE]" not in events  # llama-server's native stream has no [DONE]
+    partial, final = events[:-1], events[-1]
+    assert all(e["stop"] is False and e["tokens"] for e in partial)
+    assert "".join(e["content"] for e in partial) == want.text
+    assert [t for e in partial for t in e["tokens"]] == want.tokens
+    assert final["stop"] is True and final["content"] == "" and final["stop_type"] == "limit"
+    assert final["timings"]["predicted_n"] == N and final["timings"]["draft_n"] == want.stats.n_drafted
+    assert final["generation_settings"]["stream"] is True
+
+
+def test_stop_word(client, direct):
+    full = direct["completion"].text
+    word = full[10:13]
+    body = client.post("/completion", json={"prompt": PROMPT, "n_predict": N, "temperature": 0,
+                                            "stop": [word]}).json()
+    assert body["stop_type"] == "word" and body["stopping_word"] == word
+    assert full.startswith(body["content"]) and word not in body["content"]
+    with client.stream("POST", "/completion", json={"prompt": PROMPT, "n_predict": N, "temperature": 0,
+                                                    "stop": word, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert "".join(e["content"] for e in events) == body["content"]
+    assert events[-1]["stop_type"] == "word"
+
+
+def test_sampling_fields(client, direct):
+    base = {"prompt": PROMPT, "n_predict": 16, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    a = client.post("/completion", json={**base, "seed": 7}).json()
+    b = client.post("/completion", json={**base, "seed": 7}).json()
+    assert a["content"] == b["content"] and a["generation_settings"]["seed"] == 7
+    # logit_bias: forbid the greedy first token, as [[id, false]] and as {"id": -inf-ish}
+    first = direct["completion"].tokens[0]
+    for bias in ([[first, False]], {str(first): -100.0}):
+        r = client.post("/completion", json={"prompt": PROMPT, "n_predict": 2, "temperature": 0,
+                                             "logit_bias": bias, "return_tokens": True}).json()
+        assert r["tokens"][0] != first
+    r = client.post("/completion", json={"prompt": PROMPT, "n_predict": 4, "temperature": 0,
+                                         "repeat_penalty": 1.3, "presence_penalty": 0.5,
+                                         "frequency_penalty": 0.5, "repeat_last_n": 16, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["generation_settings"]["repeat_penalty"] == 1.3
+
+
+def test_curl_style_form_content_type(server):
+    # curl -d sends application/x-www-form-urlencoded; llama-server reads the body as JSON anyway
+    r = httpx.post(server.url + "/completion", content=json.dumps({"prompt": "hi", "n_predict": 2}),
+                   headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 2
+
+
+# -- OpenAI -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=60.0, max_retries=0)
+
+
+def test_openai_completions(oai, direct):
+    want = direct["completion"]
+    res = oai.completions.create(model="whatever", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert res.object == "text_completion" and res.id.startswith("chatcmpl-")
+    assert res.choices[0].text == want.text and res.choices[0].finish_reason == "length"
+    assert res.usage.completion_tokens == N and res.usage.prompt_tokens == len(direct["prompt_tokens"])
+    assert res.model_extra["timings"]["draft_n"] == want.stats.n_drafted
+    stream = oai.completions.create(model="whatever", prompt=PROMPT, max_tokens=N, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == N
+
+
+def test_openai_chat(oai, direct):
+    want = direct["chat"]
+    messages = [{"role": "user", "content": "hello"}]
+    res = oai.chat.completions.create(model="x", messages=messages, max_tokens=N, temperature=0)
+    assert res.object == "chat.completion"
+    msg = res.choices[0].message
+    assert msg.role == "assistant" and msg.content == want.text
+    assert res.choices[0].finish_reason == "length" and res.usage.completion_tokens == N
+    assert res.model_extra["timings"]["predicted_n"] == N
+    stream = oai.chat.completions.create(model="x", messages=messages, max_tokens=N, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N
+    # content as text parts, and the rendered prompt sent to /completion, give the same
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    res2 = oai.chat.completions.create(model="x", messages=parts, max_tokens=N, temperature=0)
+    assert res2.choices[0].message.content == want.text
+
+
+def test_chat_is_the_template_plus_completion(client, direct):
+    prompt = client.post("/apply-template", json={"messages": [{"role": "user", "content": "hello"}]}).json()
+    assert prompt == {"prompt": direct["chat_prompt"]}
+    body = client.post("/completion", json={"prompt": prompt["prompt"], "n_predict": N, "temperature": 0}).json()
+    assert body["content"] == direct["chat"].text
+
+
+def test_chat_stream_raw_sse(client, direct):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0,
+            "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    events = sse_events(lines)[:-1]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "timings" in events[-1] and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+def test_metrics(client):
+    client.post("/completion", json={"prompt": PROMPT, "n_predict": 8, "temperature": 0})
+    text = client.get("/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "llamacpp:prompt_seconds_total",
+                 "llamacpp:tokens_predicted_seconds_total", "llamacpp:n_decode_total",
+                 "llamacpp:predicted_tokens_seconds", "stepmtp:draft_tokens_total",
+                 "stepmtp:draft_tokens_accepted_total", 'stepmtp:draft_tokens_by_depth_total{depth="1"}',
+                 'stepmtp:draft_tokens_accepted_by_depth_total{depth="3"}', "stepmtp:requests_total"):
+        assert values.get(name, 0) > 0, name
+    assert "llamacpp:requests_processing" in values and "llamacpp:requests_deferred" in values
+    assert "# TYPE llamacpp:prompt_tokens_total counter" in text
+    d = [values[f'stepmtp:draft_tokens_by_depth_total{{depth="{i}"}}'] for i in (1, 2, 3)]
+    a = [values[f'stepmtp:draft_tokens_accepted_by_depth_total{{depth="{i}"}}'] for i in (1, 2, 3)]
+    assert sum(d) == values["stepmtp:draft_tokens_total"] and sum(a) == values["stepmtp:draft_tokens_accepted_total"]
+
+
+# -- bad requests ---------------------------------------------------------------------------
+
+BAD = [
+    ("/completion", b'{"prompt": ', "not valid JSON"),
+    ("/completion", b"", "not valid JSON"),
+    ("/completion", b"[1, 2]", "JSON object"),
+    ("/completion", b"{}", "'prompt' is required"),
+    ("/completion", b'{"prompt": "x", "n_predict": "8"}', "n_predict"),
+    ("/completion", b'{"prompt": "x", "n_predict": -2}', "n_predict"),
+    ("/completion", b'{"prompt": "x", "n_predict": 1.5}', "n_predict"),
+    ("/completion", b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+    ("/completion", b'{"prompt": "x", "stream": "yes"}', "stream"),
+    ("/completion", b'{"prompt": 3.5}', "prompt"),
+    ("/completion", b'{"prompt": []}', "prompt"),
+    ("/completion", b'{"prompt": [null]}', "prompt"),
+    ("/completion", b'{"prompt": [999999]}', "out of range"),
+    ("/completion", b'{"prompt": [-1]}', "out of range"),
+    ("/completion", b'{"prompt": "x", "stop": 5}', "stop"),
+    ("/completion", b'{"prompt": "x", "logit_bias": 5}', "logit_bias"),
+    ("/completion", b'{"prompt": "x", "logit_bias": [[1, "a"]]}', "logit_bias"),
+    ("/completion", b'{"prompt": "x", "repeat_penalty": 0}', "repeat_penalty"),
+    ("/completion", b'{"prompt": "x", "mirostat": 2}', "mirostat"),
+    ("/completion", b'{"prompt": "x", "n_probs": 5}', "n_probs"),
+    ("/completion", b'{"prompt": "x", "n": 5}', "n_cmpl"),
+    ("/completion", b'{"prompt": ["a", "b"], "stream": true}', "stream"),
+    ("/v1/completions", b'{"prompt": "x", "echo": true}', "echo"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": -5}', "max_tokens"),
+    ("/v1/chat/completions", b'{}', "'messages' is required"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
+    ("/v1/chat/completions", b'{"messages": []}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', "role"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', "content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', "content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "image_url"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+     "tools"),
+    ("/tokenize", b"{}", "'content' is required"),
+    ("/tokenize", b'{"content": 5}', "prompt"),
+    ("/detokenize", b'{"tokens": ["a"]}', "tokens"),
+    ("/detokenize", b'{"tokens": [100000]}', "out of range"),
+]
+
+
+@pytest.mark.parametrize("route,body,needle", BAD, ids=[f"{r}:{b[:40]!r}" for r, b, _ in BAD])
+def test_bad_request_is_a_400_with_a_message(server, client, route, body, needle):
+    r = client.post(route, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "invalid_request_error"
+    assert needle.lower() in err["message"].lower(), err["message"]
+
+
+def test_prompt_beyond_the_context(server, client):
+    r = client.post("/completion", json={"prompt": [1] * (N_CTX + 10), "n_predict": 4})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "exceed_context_size_error" and err["n_ctx"] == N_CTX
+    assert err["n_prompt_tokens"] == N_CTX + 10 and "context" in err["message"]
+    huge = "the quick brown fox " * 5000  # ~ 20k tokens as text
+    r = client.post("/v1/completions", json={"prompt": huge, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error"
+    assert_healthy(server)
+    assert client.post("/completion", json={"prompt": "hi", "n_predict": 2}).status_code == 200
+
+
+def test_api_key(server):
+    body = {"prompt": "hi", "n_predict": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "wrong"}, {"Authorization": KEY + "x"}):
+        r = httpx.post(server.url + "/completion", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, headers
+        assert r.json() == {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
+    assert httpx.post(server.url + "/completion", json=body, headers={"X-Api-Key": KEY}, timeout=30).status_code == 200
+    assert httpx.get(server.url + "/props", headers={"Authorization": KEY}, timeout=30).status_code == 200
+    for public in ("/health", "/v1/health", "/v1/models", "/models"):
+        assert httpx.get(server.url + public, timeout=30).status_code == 200, public
+    assert httpx.get(server.url + "/metrics", timeout=30).status_code == 401
+
+
+def test_unknown_route_and_method(client):
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = client.get("/completion")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+# -- concurrency: disconnects, queueing, responsiveness ------------------------------------
+
+
+def _metric(client: httpx.Client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+def test_disconnect_mid_stream_frees_the_engine(server, client, direct):
+    cancelled0 = _metric(client, "stepmtp:requests_cancelled_total")
+    # n_predict -1: until the context (8192) is full, far longer than the bound below
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60.0) as c2:
+        with c2.stream("POST", "/completion", json={"prompt": PROMPT, "n_predict": -1, "temperature": 0,
+                                                    "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(5)]
+            assert all(g.startswith("data: ") or g == "" for g in got)
+        # leaving the block closes the connection mid-stream
+    t0 = time.monotonic()
+    body = client.post("/completion", json={"prompt": PROMPT, "n_predict": N, "temperature": 0}).json()
+    took = time.monotonic() - t0
+    assert body["content"] == direct["completion"].text
+    assert took < 8.0, f"the next request waited {took:.1f} s: the cancelled stream kept the engine"
+    deadline = time.monotonic() + 10
+    while _metric(client, "stepmtp:requests_cancelled_total") < cancelled0 + 1:
+        assert time.monotonic() < deadline, "the stream was not counted as cancelled"
+        time.sleep(0.1)
+    assert _metric(client, "llamacpp:requests_processing") == 0
+
+
+def test_disconnect_while_waiting_non_streamed(server, client, direct):
+    cancelled0 = _metric(client, "stepmtp:requests_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/completion", json={"prompt": PROMPT, "n_predict": -1, "temperature": 0},
+                   headers=AUTH, timeout=httpx.Timeout(30.0, read=1.0))
+    t0 = time.monotonic()
+    body = client.post("/completion", json={"prompt": PROMPT, "n_predict": N, "temperature": 0}).json()
+    assert body["content"] == direct["completion"].text
+    assert time.monotonic() - t0 < 8.0
+    assert _metric(client, "stepmtp:requests_cancelled_total") >= cancelled0 + 1
+
+
+def test_queue_and_responsiveness_while_generating(server, client, direct):
+    results: dict[str, dict] = {}
+
+    def long_request(name: str, n: int) -> None:
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=120.0) as c:
+            results[name] = c.post("/completion", json={"prompt": PROMPT, "n_predict": n, "temperature": 0}).json()
+
+    threads = [threading.Thread(target=long_request, args=("long", 1200)),
+               threading.Thread(target=long_request, args=("short", N))]
+    threads[0].start()
+    deadline = time.monotonic() + 30
+    while _metric(client, "llamacpp:requests_processing") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    threads[1].start()
+    saw_deferred = False
+    worst = 0.0
+    for _ in range(20):
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        deferred = _metric(client, "llamacpp:requests_deferred")
+        worst = max(worst, time.monotonic() - t0)
+        saw_deferred |= deferred >= 1
+        if "long" in results:
+            break
+        time.sleep(0.05)
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive()
+    assert worst < 2.0, f"/health and /metrics took {worst:.2f} s during a generation"
+    assert saw_deferred, "the second request was never seen waiting"
+    assert results["long"]["tokens_predicted"] == 1200
+    assert results["short"]["content"] == direct["completion"].text
+
+
+# -- no client input makes a 500 ------------------------------------------------------------
+
+ODD_VALUES = [None, True, False, -1.5, 0, -(2**63), 2**63, "", "x", "\u0000", [], {}, [[]], [None], [1, "a"],
+              {"a": None}, {"type": "text"}, [{"type": "text", "text": 5}]]
+COMPLETION_FIELDS = ["prompt", "n_predict", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p",
+                     "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "seed",
+                     "stop", "ignore_eos", "logit_bias", "stream", "stream_options", "n_cmpl", "n", "return_tokens",
+                     "cache_prompt", "timings_per_token", "id_slot", "n_probs", "mirostat", "typical_p", "grammar",
+                     "json_schema", "response_fields", "unknown_field"]
+CHAT_FIELDS = ["messages", "add_generation_prompt", "chat_template_kwargs", "response_format", "tools", "tool_choice",
+               "logprobs", "top_logprobs", "stream", "stream_options", "stop"]
+
+
+def test_odd_values_never_make_a_500(server, client):
+    n = 0
+    for route, base, fields in (
+            ("/completion", {"prompt": "hi", "n_predict": 2}, COMPLETION_FIELDS),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, COMPLETION_FIELDS + ["echo", "suffix"]),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+             CHAT_FIELDS)):
+        for name in fields:
+            for value in ODD_VALUES:
+                if value is None and name in ("n_predict", "max_tokens", "max_completion_tokens"):
+                    continue  # null is "no limit": a valid, long request
+                body = {**base, name: value}
+                r = client.post(route, json=body)
+                n += 1
+                assert r.status_code < 500, (route, body, r.text)
+                if r.status_code != 200:
+                    assert r.json()["error"]["message"], (route, body)
+    for route in ("/tokenize", "/detokenize", "/apply-template"):
+        for name in ("content", "tokens", "messages", "add_special", "with_pieces", "add_generation_prompt"):
+            for value in ODD_VALUES:
+                r = client.post(route, json={name: value})
+                assert r.status_code < 500, (route, name, value, r.text)
+    assert n > 500
+    assert_healthy(server)

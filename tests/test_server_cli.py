@@ -1,0 +1,189 @@
+"""``python -m stepmtp.server``'s command line: llama-server's flags, the reference
+command from the PR description, errors, the default model, and the loading state."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stepmtp import Engine
+from stepmtp.server.cli import parse_args
+from stepmtp.tiny import write_agree_model, write_tiny_models
+from test_server import ServerProcess
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+
+
+def run_cli(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stepmtp.server", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_help_lists_the_flags():
+    r = run_cli("--help")
+    assert r.returncode == 0, r.stderr
+    for flag in ("-m", "--spec-type", "--spec-draft-model", "-ngl", "--spec-draft-ngl", "--ctx-size", "-np",
+                 "--batch-size", "--ubatch-size", "--threads", "--temp", "--spec-draft-n-max", "--spec-draft-n-min",
+                 "--spec-draft-p-min", "--seed", "--host", "--port", "--api-key", "--alias", "--spec-mtp-mode",
+                 "--n-gpu-layers", "--gpu-layers", "--parallel"):
+        assert flag in r.stdout, flag
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--no-such-flag"], "--no-such-flag"),
+    (["--port"], "--port"),
+    (["-c", "lots"], "-c/--ctx-size"),
+    (["-np", "0"], "-np/--parallel"),
+    (["--spec-type", "ngram-mod"], "not supported"),
+    (["--spec-type", "magic"], "unknown speculative"),
+    (["--spec-mtp-mode", "tree"], "--spec-mtp-mode"),
+    (["--spec-draft-p-min", "2"], "p-min"),
+    (["-m", "/nonexistent/model.gguf"], "not found"),
+    (["-fa", "maybe"], "on, off or auto"),
+    (["--draft-max", "3"], "--draft-max"),  # removed in llama-server too
+])
+def test_bad_flags_exit_non_zero_with_a_message(args, needle):
+    r = run_cli(*args, timeout=60)
+    assert r.returncode != 0
+    assert needle in r.stderr, r.stderr
+    assert "error" in r.stderr
+
+
+REFERENCE = ("--spec-type draft-mtp --spec-draft-model {mtp} -ngl all --spec-draft-ngl all -c 35000 -np 1 "
+             "-b 2048 -ub 1024 --temp 0 --spec-draft-n-max {n} --spec-draft-p-min 0.0")
+
+
+def test_reference_command_line_parses(tmp_path):
+    model, mtp = tmp_path / "Step-3.7-IQ4_XS.gguf", tmp_path / "Step3.7-flash-mtp-Q8_0.gguf"
+    model.write_bytes(b"")
+    mtp.write_bytes(b"")
+    args = ["-m", str(model), *REFERENCE.format(mtp=mtp, n=3).split(), "--host", "127.0.0.1", "--port", "8080"]
+    cfg = parse_args(args)
+    assert cfg.model == str(model) and cfg.mtp_model == str(mtp)
+    assert cfg.spec_type == "draft-mtp" and cfg.mtp_mode == "chain" and cfg.speculative
+    assert cfg.n_gpu_layers == "all" and cfg.n_gpu_layers_draft == "all"
+    assert (cfg.n_ctx, cfg.n_parallel, cfg.n_batch, cfg.n_ubatch) == (35000, 1, 2048, 1024)
+    assert cfg.sampling.temperature == 0.0 and cfg.n_max == 3 and cfg.p_min == 0.0
+    assert (cfg.host, cfg.port) == ("127.0.0.1", 8080)
+    # long spellings, llama-server's --long_option form, aliases, keys
+    cfg = parse_args(["--model", str(model), "--ctx_size", "4096", "--parallel", "4", "--batch-size", "512",
+                      "--ubatch-size", "256", "--threads", "3", "--n-gpu-layers", "12", "--gpu-layers-draft", "7",
+                      "--model-draft", str(mtp), "--spec-type", "none", "--temperature", "0.5", "-s", "42",
+                      "-a", "step,flash", "--api-key", "k1,k2", "--spec-mtp-mode", "single"])
+    assert (cfg.n_ctx, cfg.n_parallel, cfg.n_batch, cfg.n_ubatch, cfg.n_threads) == (4096, 4, 512, 256, 3)
+    assert cfg.n_gpu_layers == 12 and cfg.n_gpu_layers_draft == 7 and not cfg.speculative
+    assert cfg.sampling.temperature == 0.5 and cfg.seed == 42
+    assert cfg.aliases == ["step", "flash"] and cfg.model_name() == "flash" and cfg.api_keys == ["k1", "k2"]
+    assert cfg.mtp_mode == "single" and cfg.engine_mode == "none"
+    # defaults are llama-server's
+    cfg = parse_args([])
+    assert cfg.model is None and cfg.spec_type == "none" and cfg.n_ctx == 0 and cfg.n_batch == 2048
+    assert cfg.n_ubatch == 512 and cfg.port == 8080 and cfg.host == "127.0.0.1" and cfg.n_max == 3
+    assert cfg.sampling.temperature == 0.8 and cfg.seed_u32 == 4294967295
+
+
+def test_environment_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "1234")
+    monkeypatch.setenv("LLAMA_ARG_PORT", "9999")
+    monkeypatch.setenv("LLAMA_API_KEY", "secret")
+    cfg = parse_args([])
+    assert cfg.n_ctx == 1234 and cfg.port == 9999 and cfg.api_keys == ["secret"]
+    cfg = parse_args(["--port", "7777"])  # the command line wins
+    assert cfg.port == 7777
+
+
+@pytest.fixture(scope="module")
+def split_pair(tmp_path_factory):
+    return write_tiny_models(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def test_reference_command_runs(split_pair, tmp_path):
+    """The PR's llama-server command, llama-server replaced: a trunk file plus the MTP file."""
+    args = ["-m", str(split_pair["trunk"]), *REFERENCE.format(mtp=split_pair["mtp"], n=2).split(), "-t", "1"]
+    srv = ServerProcess(args, tmp_path)
+    try:
+        srv.wait_ready()
+        props = httpx.get(srv.url + "/props", timeout=30).json()
+        assert props["stepmtp"]["mtp_model"] == str(split_pair["mtp"]) and props["stepmtp"]["n_draft"] == 2
+        assert props["default_generation_settings"]["n_ctx"] >= 35000
+        # --temp 0: a request that names no temperature is greedy
+        body = httpx.post(srv.url + "/completion", json={"prompt": PROMPT, "n_predict": 24}, timeout=60).json()
+        log = srv.log()
+    finally:
+        srv.stop()
+    with Engine(split_pair["trunk"], mtp_model=split_pair["mtp"], mode="chain", n_max=2, n_ctx=512,
+                n_threads=1) as eng:
+        want = eng.generate(PROMPT, n_predict=24, temperature=0)
+    assert body["content"] == want.text and body["generation_settings"]["temperature"] == 0
+    assert body["timings"]["draft_n"] == want.stats.n_drafted
+    assert body["mtp"]["draft_n_per_depth"][2] == 0  # n-max 2: no third draft
+    for needle in ("MTP heads: 3", "mode chain", "n_max 2", "n_ctx 35", "listening"):
+        assert needle in log, needle
+
+
+def test_default_model_and_single_mode(tmp_path):
+    """No -m: the bundled default model (the tiny agree model, for now)."""
+    env_cache = tmp_path / "cache"
+    srv = ServerProcess(["--spec-type", "draft-mtp", "--spec-mtp-mode", "single", "--spec-draft-n-max", "2",
+                         "-np", "3", "-t", "1"], tmp_path, extra_env={"STEPMTP_CACHE_DIR": str(env_cache)})
+    try:
+        srv.wait_ready()
+        props = httpx.get(srv.url + "/props", timeout=30).json()
+        body = httpx.post(srv.url + "/completion", json={"prompt": PROMPT, "n_predict": 24, "temperature": 0},
+                          timeout=60).json()
+        log = srv.log()
+    finally:
+        srv.stop()
+    assert props["model_path"].startswith(str(env_cache)) and props["model_path"].endswith("tiny-agree.gguf")
+    assert props["stepmtp"]["mtp_mode"] == "single" and props["total_slots"] == 3
+    depth = body["mtp"]["draft_n_per_depth"]
+    assert depth[0] == depth[1] > 0 and depth[2] == 0
+    agree = write_agree_model(tmp_path / "again", seed=0)[0]
+    with Engine(agree, mode="single", n_max=2, n_ctx=512, n_threads=1) as eng:
+        assert body["content"] == eng.generate(PROMPT, n_predict=24, temperature=0).text
+    assert "no -m given" in log and "-np 3 accepted" in log and "queued" in log
+
+
+def test_a_model_that_does_not_load_exits_non_zero(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    srv = ServerProcess(["-m", str(bad)], tmp_path)
+    try:
+        rc = srv.exit_code(60)
+    finally:
+        srv.stop()
+    assert rc != 0
+    assert "failed to load the model" in srv.log(), srv.log()
+
+
+def test_503_while_loading_then_ready(tmp_path):
+    """In-process (the tiny model loads too fast to catch from outside): the engine
+    factory waits, /health answers 503 in llama-server's shape, then 200."""
+    from starlette.testclient import TestClient
+
+    from stepmtp.server import ServerConfig, create_app
+
+    agree = write_agree_model(tmp_path, seed=0)[0]
+    go = threading.Event()
+
+    def factory(path: Path) -> Engine:
+        assert go.wait(30)
+        return Engine(path, mode="chain", n_ctx=512, n_threads=1)
+
+    app = create_app(ServerConfig(model=str(agree), spec_type="draft-mtp"), engine_factory=factory)
+    with TestClient(app) as c:
+        r = c.get("/health")
+        assert r.status_code == 503
+        assert r.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        assert c.post("/completion", json={"prompt": "x"}).status_code == 503
+        assert c.get("/openapi.json").status_code == 200
+        go.set()
+        st = app.state.stepmtp
+        assert st.ready.wait(30)
+        assert c.get("/health").json() == {"status": "ok"}
+        body = c.post("/completion", json={"prompt": PROMPT, "n_predict": 8, "temperature": 0}).json()
+        assert body["tokens_predicted"] == 8
