@@ -114,12 +114,10 @@ class ErrorCapture:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.lines = _log_state.since(self._mark)
+        pass  # the lines are gathered only when a message is asked for (a failure)
 
     def message(self, what: str) -> str:
-        lines = getattr(self, "lines", None)
-        if lines is None:
-            lines = _log_state.since(self._mark)
+        lines = _log_state.since(self._mark)
         # the most specific reason is usually the first error logged
         detail = "; ".join(dict.fromkeys(line.strip() for line in lines if line.strip()))
         return f"{what}: {detail}" if detail else what

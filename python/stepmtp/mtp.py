@@ -229,6 +229,7 @@ class MTPDriver:
         self._chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
         self._probs = [0.0] * max(1, self.n_draft)
         self._t_steps: list[float] = []  # seconds per draft step of the current round
+        self._need_p = spec.p_min > 0 or debug
         # rejection sampling: the distributions the round's drafts were drawn from
         self._q = np.zeros((max(1, self.n_draft), target.n_vocab), dtype=np.float64)
 
@@ -491,7 +492,10 @@ class MTPDriver:
             q[:] = s.sampler.dense(logits, s.tokens + drafts if s.sampler.penalizes else s.tokens)
             tok = s.sampler.draw(q)
             return tok, float(q[tok]), h
-        tok, p = draft_pick(logits)
+        if self._need_p:
+            tok, p = draft_pick(logits)
+        else:  # p_min 0 and no trace: the probability is never looked at
+            tok, p = int(np.argmax(logits)), 1.0
         return tok, p, h
 
     def _log_h(self, s: SeqState, p0: int, h: np.ndarray) -> None:
