@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-draft-n-max", type=int, default=3)
     ap.add_argument("--spec-draft-n-min", type=int, default=0)
     ap.add_argument("--spec-draft-p-min", type=float, default=0.0)
+    ap.add_argument("--spec-schedule", choices=["fused", "reference"], default="fused",
+                    help="fused: process inside the next draft decodes; reference: the change's schedule")
+    ap.add_argument("--spec-verify", choices=["auto", "exact", "rejection"], default="auto",
+                    help="verification at temperature > 0 (auto: rejection sampling)")
+    ap.add_argument("--spec-adaptive", action="store_true", help="choose the draft length each round")
     ap.add_argument("-c", "--ctx-size", type=int, default=4096)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--compare", action="store_true", help="none vs single vs chain on the same prompt")
@@ -57,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = {}
     for mode in modes:
         spec = SpecConfig(mode=mode, n_max=args.spec_draft_n_max, n_min=args.spec_draft_n_min,
-                          p_min=args.spec_draft_p_min)
+                          p_min=args.spec_draft_p_min, schedule=args.spec_schedule,
+                          verify=args.spec_verify, adaptive=args.spec_adaptive)
         with Engine(model, mtp_model=args.mtp_model, spec=spec, n_ctx=args.ctx_size,
                     n_threads=args.threads, seed=args.seed, progress=sys.stderr.isatty()) as eng:
             if mode == modes[0]:
