@@ -2,15 +2,19 @@
 
 Runs the same greedy generations on the tiny agree model (the server's default
 model) through the Engine directly and through a server subprocess
-(``/completion``, whole and streamed), interleaved so that a busy machine slows
-both alike, and prints minima and medians:
+(``POST /completion``, whole and streamed as SSE), back to back, and prints:
 
-    python bench/server_overhead.py [--reps 15] [--n 256] [--threads 1]
+* tok/s of each (medians);
+* the overhead, from the paired differences (server - direct, each pair run back to
+  back, so that a busy machine slows both alike): per request = median difference at
+  n_predict=1, per token = (median difference at n_predict=N - per request) / N;
+* the server's own split: a request's latency seen by the client minus the time the
+  engine reports in its ``timings`` (prompt_ms + predicted_ms).
 
-per request = server(n_predict=1) - direct(n_predict=1); per token = the rest of
-the difference at n_predict=N, divided by N. Nothing is asserted: on the tiny
-model a token costs ~1 ms, so this is an upper bound of the share the HTTP layer
-takes from a real model's much slower tokens.
+    python bench/server_overhead.py [--reps 30] [--n 256] [--threads 1]
+
+Nothing is asserted. On the tiny model a token costs ~1-2 ms, so the shares printed
+are upper bounds of what the HTTP layer takes from a real model's much slower tokens.
 """
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 from stepmtp import Engine
 from stepmtp.server.config import default_model_path
@@ -39,13 +42,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4)
+    return q[0], statistics.median(xs), q[2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--n", type=int, default=256, help="tokens per long request")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=4096)
     args = ap.parse_args()
+    n = args.n
 
     model = default_model_path()
     port = free_port()
@@ -54,6 +63,9 @@ def main() -> int:
                              "-c", str(args.ctx), "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    rows: dict[str, list[float]] = {k: [] for k in ("direct1", "server1", "directN", "serverN", "streamN",
+                                                   "engine_direct1", "engine_directN", "engine_server1",
+                                                   "engine_serverN", "engine_streamN")}
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -67,62 +79,42 @@ def main() -> int:
                 pass
             time.sleep(0.1)
 
-        times: dict[str, list[float]] = {k: [] for k in ("direct1", "server1", "directN", "serverN", "streamN")}
-        # CPU seconds spent by each side (all its threads), per request, over a batch of
-        # requests (the server's is counted in 10 ms ticks): less changed than wall time
-        # by other work on the machine
-        cpu: dict[str, float] = {}
-        server_proc = psutil.Process(proc.pid)
-
-        def server_cpu() -> float:
-            t = server_proc.cpu_times()
-            return t.user + t.system
-        engine_tps: list[float] = []
         with Engine(model, mode="chain", n_ctx=args.ctx, n_threads=args.threads) as eng, \
                 httpx.Client(base_url=url, timeout=120) as http:
-            def direct(n: int) -> float:
+            def direct(k: int) -> tuple[float, float]:
                 t0 = time.perf_counter()
-                out = eng.generate(PROMPT, n_predict=n, temperature=0)
-                dt = time.perf_counter() - t0
-                if n > 1:
-                    engine_tps.append(out.stats.tokens_per_second)
-                return dt
+                out = eng.generate(PROMPT, n_predict=k, temperature=0)
+                return time.perf_counter() - t0, (out.stats.t_prompt_ms + out.stats.t_gen_ms) / 1e3
 
-            def server(n: int) -> float:
+            def server(k: int) -> tuple[float, float]:
                 t0 = time.perf_counter()
-                r = http.post("/completion", json={"prompt": PROMPT, "n_predict": n, "temperature": 0})
+                r = http.post("/completion", json={"prompt": PROMPT, "n_predict": k, "temperature": 0})
                 dt = time.perf_counter() - t0
-                assert r.status_code == 200 and r.json()["tokens_predicted"] == n, r.text
-                return dt
+                body = r.json()
+                assert r.status_code == 200 and body["tokens_predicted"] == k, r.text
+                return dt, (body["timings"]["prompt_ms"] + body["timings"]["predicted_ms"]) / 1e3
 
-            def stream(n: int) -> float:
+            def stream(k: int) -> tuple[float, float]:
                 t0 = time.perf_counter()
-                with http.stream("POST", "/completion", json={"prompt": PROMPT, "n_predict": n, "temperature": 0,
+                with http.stream("POST", "/completion", json={"prompt": PROMPT, "n_predict": k, "temperature": 0,
                                                               "stream": True}) as r:
                     last = None
                     for line in r.iter_lines():
                         if line:
                             last = line
                 dt = time.perf_counter() - t0
-                assert last is not None and json.loads(last[6:])["tokens_predicted"] == n
-                return dt
+                body = json.loads(last[len("data: "):])
+                assert body["tokens_predicted"] == k
+                return dt, (body["timings"]["prompt_ms"] + body["timings"]["predicted_ms"]) / 1e3
 
-            for _ in range(3):  # warm up both
-                direct(args.n), server(args.n), stream(args.n)
+            for _ in range(3):  # warm up both sides
+                direct(n), server(n), stream(n)
             for _ in range(args.reps):
-                times["direct1"].append(direct(1))
-                times["server1"].append(server(1))
-                times["directN"].append(direct(args.n))
-                times["serverN"].append(server(args.n))
-                times["streamN"].append(stream(args.n))
-            for key, fn, n_tok, own in (("direct1", direct, 1, True), ("server1", server, 1, False),
-                                        ("directN", direct, args.n, True), ("serverN", server, args.n, False),
-                                        ("streamN", stream, args.n, False)):
-                reps = args.reps * (8 if n_tok == 1 else 1)
-                c0 = time.process_time() if own else server_cpu()
-                for _ in range(reps):
-                    fn(n_tok)
-                cpu[key] = ((time.process_time() if own else server_cpu()) - c0) / reps
+                for key, fn, k in (("direct1", direct, 1), ("server1", server, 1), ("directN", direct, n),
+                                   ("serverN", server, n), ("streamN", stream, n)):
+                    wall, engine = fn(k)
+                    rows[key].append(wall)
+                    rows["engine_" + key].append(engine)
     finally:
         proc.terminate()
         try:
@@ -130,35 +122,33 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
 
-    n = args.n
-    print(f"tiny agree model, chain mode, {n} tokens per request, {args.reps} reps, {args.threads} thread(s)")
-    for label, stat in (("wall time, min", min), ("wall time, median", statistics.median)):
-        report(label, {k: stat(v) for k, v in times.items()}, n, max(engine_tps) if stat is min else stat(engine_tps))
-    c = cpu
-    per_request = c["server1"] - c["direct1"]
-    print("CPU time per request (all threads of each process), mean over a batch:")
-    print(f"  direct n=1: {1e3 * c['direct1']:.2f} ms, n={n}: {1e3 * c['directN']:.2f} ms; "
-          f"server n=1: {1e3 * c['server1']:.2f} ms, n={n}: {1e3 * c['serverN']:.2f} ms, "
-          f"SSE n={n}: {1e3 * c['streamN']:.2f} ms")
-    print(f"  HTTP overhead: {1e3 * per_request:.2f} ms per request; per token "
-          f"{1e6 * (c['serverN'] - c['directN'] - per_request) / n:.1f} us (whole), "
-          f"{1e6 * (c['streamN'] - c['directN'] - per_request) / n:.1f} us (streamed)")
+    r = rows
+    med = {k: statistics.median(v) for k, v in r.items()}
+    d1 = [s - d for s, d in zip(r["server1"], r["direct1"])]
+    dN = [s - d for s, d in zip(r["serverN"], r["directN"])]
+    dS = [s - d for s, d in zip(r["streamN"], r["directN"])]
+    per_request = statistics.median(d1)
+    print(f"tiny agree model, chain mode, n={n} tokens per long request, {args.reps} rounds, "
+          f"{args.threads} llama.cpp thread(s)")
+    print(f"  direct Engine.generate   n=1 {1e3 * med['direct1']:7.2f} ms   n={n} {1e3 * med['directN']:8.1f} ms"
+          f"   {n / med['directN']:6.1f} tok/s")
+    print(f"  server /completion       n=1 {1e3 * med['server1']:7.2f} ms   n={n} {1e3 * med['serverN']:8.1f} ms"
+          f"   {n / med['serverN']:6.1f} tok/s")
+    print(f"  server /completion SSE                  n={n} {1e3 * med['streamN']:8.1f} ms"
+          f"   {n / med['streamN']:6.1f} tok/s")
+    q1, m1, q3 = quartiles(d1)
+    print(f"overhead from paired differences (median [quartiles]):")
+    print(f"  per request: {1e3 * m1:.2f} ms [{1e3 * q1:.2f}, {1e3 * q3:.2f}]")
+    for label, d in (("whole", dN), ("streamed, one SSE event per token", dS)):
+        q1, m, q3 = quartiles(d)
+        print(f"  per token, {label}: {1e6 * (m - per_request) / n:.1f} us "
+              f"[{1e6 * (q1 - per_request) / n:.1f}, {1e6 * (q3 - per_request) / n:.1f}]")
+    print("client latency minus the engine's own timings (median):")
+    for key in ("direct1", "server1", "directN", "serverN", "streamN"):
+        outside = statistics.median([w - e for w, e in zip(r[key], r["engine_" + key])])
+        print(f"  {key:8s} {1e3 * outside:7.2f} ms outside the engine "
+              f"(engine: {1e3 * med['engine_' + key]:8.2f} ms)")
     return 0
-
-
-def report(label: str, med: dict[str, float], n: int, engine_tps: float) -> None:
-    per_request = med["server1"] - med["direct1"]
-    per_token = (med["serverN"] - med["directN"] - per_request) / n
-    per_token_stream = (med["streamN"] - med["directN"] - per_request) / n
-    print(f"{label}:")
-    print(f"  direct Engine.generate  n=1: {1e3 * med['direct1']:7.2f} ms   n={n}: {1e3 * med['directN']:8.2f} ms"
-          f"   {n / med['directN']:7.1f} tok/s (engine's own t_gen: {engine_tps:.1f} tok/s)")
-    print(f"  server /completion      n=1: {1e3 * med['server1']:7.2f} ms   n={n}: {1e3 * med['serverN']:8.2f} ms"
-          f"   {n / med['serverN']:7.1f} tok/s")
-    print(f"  server /completion SSE                        n={n}: {1e3 * med['streamN']:8.2f} ms"
-          f"   {n / med['streamN']:7.1f} tok/s")
-    print(f"  HTTP overhead: {1e3 * per_request:.2f} ms per request; per token {1e6 * per_token:.1f} us (whole), "
-          f"{1e6 * per_token_stream:.1f} us (streamed, one SSE event per token)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ subprocess on the tiny agree model (drafts partly accepted), and compared with
 the engine called directly."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -356,6 +358,34 @@ def test_chat_stream_raw_sse(client, direct):
     events = sse_events(lines)[:-1]
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert "timings" in events[-1] and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_llama_cpp_speed_bench_client(server, monkeypatch):
+    """llama.cpp's own SPEED-Bench client (tools/server/bench/speed-bench), two chat turns."""
+    path = (Path(__file__).resolve().parents[1] / "vendor" / "llama.cpp" / "tools" / "server" / "bench"
+            / "speed-bench" / "speed_bench.py")
+    if not path.exists():
+        pytest.skip("vendor/llama.cpp is not there")
+    requests = pytest.importorskip("requests")
+    pytest.importorskip("tqdm")
+    datasets = types.ModuleType("datasets")  # the samples come from here instead of the Hub
+    datasets.get_dataset_config_names = datasets.load_dataset = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "datasets", datasets)
+    spec = importlib.util.spec_from_file_location("speed_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "speed_bench", bench)  # its dataclasses look themselves up there
+    spec.loader.exec_module(bench)
+    post = requests.post
+    monkeypatch.setattr(requests, "post", lambda url, **kw: post(url, headers=AUTH, **kw))  # it sends no key
+
+    sample = bench.Sample(id="q1", category="coding", turns=["Write fib in Python.", "Now in C."])
+    result = bench.run_one(sample, bench.normalize_base_url(server.url) + "/chat/completions", None, 32,
+                           bench.parse_extra_inputs('{"temperature":0}'), 60)
+    assert result.ok, result.error
+    assert result.turns == 2 and result.completion_tokens == 64 and result.finish_reason == "length"
+    assert 0 < result.draft_n_accepted < result.draft_n and result.predicted_per_second > 0
+    summary = bench.summarize_group("overall", [result])
+    assert summary["accept_rate"] == result.draft_n_accepted / result.draft_n
 
 
 # -- metrics ------------------------------------------------------------------------------

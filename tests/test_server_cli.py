@@ -2,6 +2,7 @@
 command from the PR description, errors, the default model, and the loading state."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -112,6 +113,15 @@ def test_reference_command_runs(split_pair, tmp_path):
         assert props["default_generation_settings"]["n_ctx"] >= 35000
         # --temp 0: a request that names no temperature is greedy
         body = httpx.post(srv.url + "/completion", json={"prompt": PROMPT, "n_predict": 24}, timeout=60).json()
+        # stopped (SIGTERM) in the middle of a stream: the stream ends with an error event, promptly
+        with httpx.stream("POST", srv.url + "/completion", json={"prompt": PROMPT, "n_predict": -1, "stream": True},
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.proc.terminate()
+            rest = [ln for ln in lines if ln]
+        srv.proc.wait(15)  # raises if it does not end
+        assert json.loads(rest[-1][len("data: "):])["error"]["type"] == "unavailable_error"
         log = srv.log()
     finally:
         srv.stop()

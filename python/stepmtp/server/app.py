@@ -56,7 +56,7 @@ DISCONNECT_POLL_S = 0.25
 #: faster (the tokens of one speculative round come at once) share a socket write, so
 #: the event loop does not take the GIL from the generating thread for every token.
 #: Tokens slower than this go out one by one, as they come.
-STREAM_FLUSH_S = 0.005
+STREAM_FLUSH_S = 0.01
 #: inputs smaller than this (characters or tokens) are processed on the event loop:
 #: a thread-pool hop costs more than the work
 INLINE_LIMIT = 4096
@@ -138,6 +138,12 @@ class ServerState:
     def _on_done(self, job: Job, result: Completion | None, error: BaseException | None, n_seen: int) -> None:
         self.metrics.record(result, cancelled=isinstance(error, Cancelled), failed=error is not None
                             and not isinstance(error, Cancelled))
+
+    def begin_shutdown(self) -> None:
+        """The server stops: end the running and waiting generations now, so that their
+        streams finish (with an error event) instead of being cut after the grace period."""
+        if self.worker is not None:
+            self.worker.cancel_all()
 
     def close(self) -> None:
         if self._closed:

@@ -341,14 +341,22 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[..., Any
         log.info("no -m given: serving the bundled default model")
     if cfg.mtp_model and not cfg.speculative:
         log.warning("--spec-draft-model is ignored without --spec-type draft-mtp")
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
-                                           timeout_graceful_shutdown=3, access_log=True))
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            state.begin_shutdown()  # streams end now rather than at the grace period's end
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
+                                   timeout_graceful_shutdown=5, access_log=True))
 
     def fatal() -> None:
         server.should_exit = True
 
     state.on_fatal = fatal
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once shut down
+        return 130
     if state.exit_code:
         return state.exit_code
     return 0 if server.started else 1

@@ -135,8 +135,8 @@ class Worker:
             raise RuntimeError("the server is shutting down")
         self._jobs.put(job)
 
-    def stop(self, timeout: float = 10.0) -> bool:
-        """Cancel what runs, drop what waits, end the thread; True when it ended."""
+    def cancel_all(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new jobs, cancel the running one, drop the waiting ones (each is told why)."""
         self._stopping = True
         while True:
             try:
@@ -145,10 +145,14 @@ class Worker:
                 break
             if job is not None:
                 job.cancel()
-                job.channel.put("error", Cancelled("the server is shutting down"))
+                job.channel.put("error", Cancelled(reason))
         cur = self.current
         if cur is not None:
             cur.cancel()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """``cancel_all``, then end the thread; True when it ended."""
+        self.cancel_all()
         self._jobs.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -185,7 +189,7 @@ class Worker:
             try:
                 while True:
                     if job.cancelled.is_set():
-                        error = Cancelled("cancelled by the client")
+                        error = Cancelled("the server is shutting down" if self._stopping else "cancelled")
                         break
                     try:
                         chunk: Chunk = next(gen)
