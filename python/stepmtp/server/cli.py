@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--spec-mtp-mode", metavar="chain|single", dest="mtp_mode", choices=["chain", "single"], default="chain",
         help="chain: head i drafts step i (n-max capped at the head count); single: head 0 for every step, "
              "the behaviour before chaining (default: chain)")
+    add(g, "--spec-schedule", metavar="fused|reference", dest="schedule", choices=["fused", "reference"],
+        default="fused", help="fused: each head's draft decode also processes the accepted rows; reference: "
+                              "the change's schedule, a process decode per head per round (default: fused)")
+    add(g, "--spec-verify", metavar="auto|exact|rejection", dest="verify", choices=["auto", "exact", "rejection"],
+        default="auto", help="verification above temperature 0: rejection sampling or exact match "
+                             "(default: auto = rejection)")
+    add(g, "--spec-adaptive", dest="adaptive", action="store_true",
+        help="choose the draft length (0..n-max) each round from measured acceptance and costs")
     add(g, "--spec-draft-model", "-md", "--model-draft", metavar="FNAME", dest="mtp_model",
         env="LLAMA_ARG_SPEC_DRAFT_MODEL", help="a separate MTP-only GGUF with the heads (default: from -m)")
     add(g, "--spec-draft-n-max", metavar="N", dest="n_max", type=_int, default=3, env="LLAMA_ARG_SPEC_DRAFT_N_MAX",
@@ -286,6 +294,9 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         mtp_model=a.mtp_model,
         spec_type="draft-mtp" if "draft-mtp" in spec else "none",
         mtp_mode=a.mtp_mode,
+        schedule=a.schedule,
+        verify=a.verify,
+        adaptive=a.adaptive,
         n_max=a.n_max,
         n_min=a.n_min,
         p_min=a.p_min,

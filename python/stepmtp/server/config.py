@@ -41,6 +41,12 @@ class ServerConfig:
     n_max: int = 3
     n_min: int = 0
     p_min: float = 0.0
+    #: --spec-schedule: "fused" (process inside the next draft decodes) or "reference"
+    schedule: str = "fused"
+    #: --spec-verify: "auto" (rejection sampling above temperature 0), "exact", "rejection"
+    verify: str = "auto"
+    #: --spec-adaptive: choose the draft length each round
+    adaptive: bool = False
     #: -c; 0: the model's training context
     n_ctx: int = 0
     n_batch: int = 2048
@@ -106,6 +112,9 @@ class ServerConfig:
             n_max=self.n_max,
             n_min=self.n_min,
             p_min=self.p_min,
+            schedule=self.schedule,  # type: ignore[arg-type]
+            verify=self.verify,  # type: ignore[arg-type]
+            adaptive=self.adaptive,
             n_ctx=self.n_ctx,
             n_batch=self.n_batch,
             n_ubatch=self.n_ubatch,
