@@ -143,11 +143,15 @@ def test_gate_fails_with_chaining_disabled(agree, prompts, baseline, monkeypatch
 
 def test_gate_fails_with_shifted_drafts(agree, prompts, baseline, monkeypatch):
     """A broken driver: every draft token is off by one."""
-    import stepmtp.mtp as mtp
+    from stepmtp.mtp import MTPDriver
 
-    pick = mtp.draft_pick
-    monkeypatch.setattr(mtp, "draft_pick", lambda logits, *a, **k: ((pick(logits, *a, **k)[0] + 1) % 500,
-                                                                    *pick(logits, *a, **k)[1:]))
+    pick = MTPDriver._pick  # (token, probability, hidden row) of the last draft decode
+
+    def shifted(self, *a, **k):
+        tok, p, h = pick(self, *a, **k)
+        return (tok + 1) % 500, p, h
+
+    monkeypatch.setattr(MTPDriver, "_pick", shifted)
     rep = G.check(bench(agree, prompts, "none,chain-3", repeat=1), baseline)
     assert not rep.ok
     assert any("chain-3" in f and "acc" in f for f in rep.failures), rep.text()
@@ -243,6 +247,69 @@ def test_widen_keeps_greedy_tokens(agree, tmp_path):
     assert out[(agree, "chain")] == out[(dst, "chain")]
     with pytest.raises(ValueError):
         widen(agree, tmp_path / "x.gguf", 0.5)
+
+
+def test_bench_tiny_model_has_ascii_byte_tokens(agree, tmp_path, monkeypatch):
+    """The bench's tiny agree model: same tokens as write_agree_model's, text that any
+    server can return (valid UTF-8, the lone byte tokens spelled ~xHH~)."""
+    from stepmtp import Engine
+    from stepmtp.bench.model import resolve_model
+
+    monkeypatch.setenv("STEPMTP_CACHE_DIR", str(tmp_path))
+    path = resolve_model("tiny-agree")
+    assert path.parent == tmp_path / "bench"
+    assert resolve_model("tiny-agree") == path  # unchanged bytes: kept as it is
+    out = []
+    for p in (agree, path):
+        with Engine(p, mode="chain", n_ctx=512, n_threads=1) as eng:
+            c = eng.generate("def f(x):", n_predict=64, temperature=0)
+            out.append(c)
+    assert out[0].tokens == out[1].tokens
+    assert "\ufffd" in out[0].text and "\ufffd" not in out[1].text and "~x" in out[1].text
+
+
+def _requantize(src: Path, dst: Path, names: tuple[str, ...]) -> None:
+    """A copy of ``src`` with the tensors whose names end with ``names`` stored as Q8_0."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    for name, f in r.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            w.add_key_value(name, f.contents(), f.types[0],
+                            sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name.endswith(names):
+            q = gguf.quants.quantize(np.asarray(t.data, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_widen_quantized(agree, tmp_path):
+    """Q8_0 tensors are widened at the byte level (a zero block is zero) and stay Q8_0."""
+    import gguf
+
+    from stepmtp import Engine
+    from stepmtp.bench.widen import widen
+
+    q8 = tmp_path / "q8.gguf"
+    _requantize(agree, q8, ("_exps.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight"))
+    wide = tmp_path / "q8-wide.gguf"
+    widen(q8, wide, 2.0)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(wide)).tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
+    toks = []
+    for path in (q8, wide):
+        with Engine(path, mode="chain", n_ctx=512, n_threads=1) as eng:
+            c = eng.generate("class Queue:", n_predict=32, temperature=0)
+            toks.append((c.tokens, c.stats.n_accepted))
+    assert toks[0] == toks[1]
 
 
 def test_widen_target_size(agree, tmp_path):

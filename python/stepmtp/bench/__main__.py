@@ -38,7 +38,8 @@ BUILTIN = {"model": None, "bench_model_mb": None, "prompts": None, "categories":
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "),
+    summary = __doc__.split("\n\n")[0].replace("\n", " ").split(": ", 1)[1]
+    ap = argparse.ArgumentParser(prog=PROG, description=summary[0].upper() + summary[1:],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     g = ap.add_argument_group("model")
@@ -121,9 +122,6 @@ def _configs(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | N
         out = []
         for c in cfgs:
             if c.backend == "engine":
-                if c.schedule != "fused":
-                    print(f"bench: {c.label} skipped: the server runs the fused schedule only", file=sys.stderr)
-                    continue
                 c = BenchConfig(mode=c.mode, n_max=c.n_max, schedule=c.schedule, backend="server")
             out.append(c)
         cfgs = out

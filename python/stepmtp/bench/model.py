@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_MODEL", "MODEL_NAMES", "cache_dir", "resolve_model", "bench_model", "file_sha256"]
+__all__ = ["DEFAULT_MODEL", "MODEL_NAMES", "cache_dir", "resolve_model", "bench_model", "file_sha256",
+           "ascii_byte_tokens"]
 
 #: The model ``python -m stepmtp.bench`` runs without ``--model``.
 DEFAULT_MODEL = "tiny-agree"
@@ -46,22 +47,57 @@ def resolve_model(spec: str | os.PathLike[str] | None = None) -> Path:
 
 
 def _tiny_agree() -> Path:
-    """The tiny agree model (seed 0), written afresh each time (it takes a fraction of a
-    second, and a cached copy could predate a change to its generator); the cached file
-    is replaced atomically, and only when its bytes change."""
+    """The tiny agree model (seed 0) with its byte tokens spelled in ASCII (see
+    :func:`ascii_byte_tokens`), written afresh each time (it takes a fraction of a
+    second, and a cached copy could predate a change to its generator). The bench keeps
+    its own copy, replaced atomically and only when its bytes change: a file rewritten in
+    place while a run has it mapped would crash that run (SIGBUS)."""
     import filecmp
     import tempfile
 
     from ..tiny import AGREE_FILE, write_agree_model
 
-    d = cache_dir() / "tiny"
+    d = cache_dir() / "bench"
     d.mkdir(parents=True, exist_ok=True)
     path = d / AGREE_FILE
     with tempfile.TemporaryDirectory(dir=d) as tmp:
-        fresh = write_agree_model(tmp, seed=0)[0]
+        fresh = Path(tmp) / "ascii.gguf"
+        ascii_byte_tokens(write_agree_model(tmp, seed=0)[0], fresh)
         if not (path.is_file() and filecmp.cmp(fresh, path, shallow=False)):
             os.replace(fresh, path)
     return path
+
+
+def ascii_byte_tokens(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy a byte-level BPE GGUF with the tokens of the bytes 0x80-0xff renamed to the
+    ASCII text ``~xHH~``. The tiny agree model's greedy walk emits those tokens alone,
+    which is not valid UTF-8: the C++ llama-server then refuses the whole answer (its
+    output parser needs valid text). Token ids, and so every prediction, are unchanged;
+    only such tokens' text is. Prompts must be ASCII (they never produce these tokens)."""
+    import gguf
+
+    from ..tiny import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    high = {b2u[b]: "~x%02x~" % b for b in range(0x80, 0x100)}
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = f.contents()
+        if name == "tokenizer.ggml.tokens":
+            value = [high.get(t, t) for t in value]
+            if len(set(value)) != len(value):
+                raise ValueError(f"{src}: renaming the byte tokens would duplicate a token")
+        w.add_key_value(name, value, f.types[0],
+                        sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=None if t.data.dtype != "uint8" else t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def file_sha256(path: str | os.PathLike[str], *, _cache: dict[tuple[str, int, int], str] = {}) -> str:

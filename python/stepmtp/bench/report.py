@@ -230,10 +230,11 @@ def write_chart(run: BenchRun, path: str | os.PathLike[str]) -> str | None:
         for j, c in enumerate(spec):
             ax1.bar(x + (j - (len(spec) - 1) / 2) * w, [r.rate for r in c.results], w, label=c.label)
         ax1.set_xticks(x, cats, rotation=35, ha="right", fontsize=8)
-        ax1.set_ylim(0, 1)
+        ax1.set_ylim(0, 1.2)
+        ax1.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
         ax1.set_ylabel("accepted / drafted")
         ax1.set_title("acceptance per category")
-        ax1.legend(fontsize=7, ncol=2)
+        ax1.legend(fontsize=7, ncol=min(5, len(spec)), loc="upper center")
     else:
         ax1.set_axis_off()
     labels = [c.label for c in run.configs]

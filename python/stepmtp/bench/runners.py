@@ -40,7 +40,7 @@ class BenchConfig:
 
     mode: str = "chain"  # chain | single | none
     n_max: int = 3
-    schedule: str = "fused"  # fused | reference (engine only)
+    schedule: str = "fused"  # fused | reference (in-process and stepmtp.server)
     backend: str = "engine"
 
     def __post_init__(self) -> None:
@@ -52,8 +52,8 @@ class BenchConfig:
             raise ValueError(f"unknown backend {self.backend!r} ({', '.join(BACKENDS)})")
         if self.backend == "llama-server" and self.mode == "chain":
             raise ValueError("the C++ llama-server drafts with one MTP block (mode single), it cannot chain")
-        if self.backend in ("server", "llama-server") and self.schedule != "fused":
-            raise ValueError("the reference schedule is only selectable in-process (backend engine)")
+        if self.backend == "llama-server" and self.schedule != "fused":
+            raise ValueError("the C++ llama-server has one schedule (the single-block one)")
         if self.mode != "none" and self.n_max < 1:
             raise ValueError("speculation needs n_max >= 1")
 
@@ -78,6 +78,8 @@ class BenchConfig:
         where = {"engine": "in-process", "server": "stepmtp.server", "llama-server": "C++ llama-server"}[self.backend]
         if self.mode == "none":
             return f"no speculation ({where})"
+        if self.backend == "llama-server":
+            return f"single-block MTP (head 0 for every step), n-max {self.n_max} ({where})"
         return f"{self.mode}, n-max {self.n_max}, {self.schedule} schedule ({where})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -482,6 +484,8 @@ class ServerRunner(URLRunner):
                 argv += ["--spec-draft-model", str(mtp_model)]
             if config.backend == "server":
                 argv += ["--spec-mtp-mode", config.mode]
+                if config.schedule != "fused":
+                    argv += ["--spec-schedule", config.schedule]
         self.process = ServerProcess(argv, startup_timeout=startup_timeout, label=config.label)
 
     def start(self) -> None:
