@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from .engine import Engine
@@ -22,7 +23,15 @@ def _default_model() -> Path:
     from .tiny import write_agree_model
 
     cache = Path(os.environ.get("STEPMTP_CACHE_DIR", Path.home() / ".cache" / "stepmtp")) / "tiny"
-    return write_agree_model(cache, seed=0)[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    # written beside and renamed over: a process that has the old file mapped (a
+    # server, a bench) keeps reading it intact instead of dying on a truncated map
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        fresh = write_agree_model(tmp, seed=0)[0]
+        path = cache / fresh.name
+        if not path.exists() or path.read_bytes() != fresh.read_bytes():
+            os.replace(fresh, path)
+    return path
 
 
 def _stats_line(label: str, st: GenStats) -> str:
