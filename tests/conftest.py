@@ -1,9 +1,14 @@
 """Shared fixtures: tiny Step3.5 models generated once per test session."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# One llama.cpp thread per engine: the suite runs servers and engines side by side on
+# small shared machines, where two spinning threads per process starve each other.
+os.environ.setdefault("STEPMTP_N_THREADS", "1")
 
 from stepmtp.tiny import write_tiny_models
 

@@ -26,7 +26,11 @@ class ModelLoadError(LlamaError):
 
 
 def default_threads() -> int:
-    """The CPUs this process may run on (llama.cpp's own default is a fixed 4)."""
+    """STEPMTP_N_THREADS if set, else the CPUs this process may run on (llama.cpp's
+    own default is a fixed 4)."""
+    env = os.environ.get("STEPMTP_N_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS
