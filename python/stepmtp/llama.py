@@ -99,7 +99,26 @@ def stepmtp_progress_cb(progress: float, user_data: object) -> bool:
     return True  # never cancel the load
 
 
-class Model:
+class _Closing:
+    """``with`` support and freeing at garbage collection for objects with close()."""
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self):  # noqa: ANN204 - returns the subclass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Model(_Closing):
     """A GGUF model loaded by llama.cpp.
 
     Args:
@@ -179,18 +198,6 @@ class Model:
         if self._ptr != ffi.NULL:
             lib.llama_model_free(self._ptr)
             self._ptr = ffi.NULL
-
-    def __enter__(self) -> "Model":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # -- metadata -------------------------------------------------------------
 
@@ -373,7 +380,7 @@ class Batch:
         return self._c[0]
 
 
-class Context:
+class Context(_Closing):
     """A llama.cpp context (KV cache, compute buffers, outputs) over a Model.
 
     Args:
@@ -465,18 +472,6 @@ class Context:
         if self._ptr != ffi.NULL:
             lib.llama_free(self._ptr)
             self._ptr = ffi.NULL
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # -- decoding -------------------------------------------------------------
 

@@ -391,13 +391,9 @@ class MTPDriver:
                     b.fill([s.id_last], r, s.seq_id, outputs="last", embd=s.pending_h[None, :])
                 else:
                     b.fill([drafts[-1]], r + i, s.seq_id, outputs="last", embd=h_prev[None, :])
-            self._decode(d, b, s)
-            tok, p, h_prev = self._pick(s, i, drafts)
-            self._t_steps.append(time.perf_counter() - t_step)
-            if p < self.spec.p_min:
+            h_prev = self._take_draft(s, i, drafts, t_step)
+            if h_prev is None:
                 break
-            self._probs[i] = p
-            drafts.append(tok)
         d.seq_rm(s.seq_id, r)
         return drafts if len(drafts) >= self.spec.n_min else []
 
@@ -442,13 +438,9 @@ class MTPDriver:
             else:
                 # single: head 0's own KV holds the round's earlier rows
                 b.fill([drafts[-1]], r + i, s.seq_id, outputs="last", embd=h_prev[None, :])
-            self._decode(d, b, s)
-            tok, p, h_prev = self._pick(s, i, drafts)
-            self._t_steps.append(time.perf_counter() - t_step)
-            if p < self.spec.p_min:
+            h_prev = self._take_draft(s, i, drafts, t_step)
+            if h_prev is None:
                 break
-            self._probs[i] = p
-            drafts.append(tok)
             self._chain_h[i] = h_prev
         s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
         return drafts if len(drafts) >= self.spec.n_min else []
@@ -478,6 +470,18 @@ class MTPDriver:
         b.token[i], b.pos[i], b.seq[i] = token, pos, seq
         b.logits[i - 1], b.logits[i] = 0, 1
         b.embd[i] = h
+
+    def _take_draft(self, s: SeqState, i: int, drafts: list[int], t_step: float) -> np.ndarray | None:
+        """Decode draft step i's batch and append its token to ``drafts``; returns the
+        step's output hidden row, or None when the token is below p_min."""
+        self._decode(self.draft, self.dbatch, s)
+        tok, p, h = self._pick(s, i, drafts)
+        self._t_steps.append(time.perf_counter() - t_step)
+        if p < self.spec.p_min:
+            return None
+        self._probs[i] = p
+        drafts.append(tok)
+        return h
 
     def _pick(self, s: SeqState, i: int, drafts: list[int]) -> tuple[int, float, np.ndarray]:
         """Draft token i from the last decode, its probability, and its hidden row."""
