@@ -20,6 +20,7 @@ def test_version_and_system_info():
         "0002-mtp-graph-output-rows.patch",
         "0003-require-all-mtp-blocks.patch",
         "0004-mtp-c-api.patch",
+        "0005-rpc-lost-server-not-fatal.patch",
     ]
     assert "CPU" in info["backend"]
 
