@@ -17,6 +17,7 @@ from .mtp import SpecConfig
 from .sampling import SamplingParams
 from .stats import GenStats
 from .engine import Chunk, Completion, Engine
+from .rpc import RPCError, rpc_server_path
 
 __all__ = [
     "__version__",
@@ -26,6 +27,8 @@ __all__ = [
     "Batch",
     "LlamaError",
     "ModelLoadError",
+    "RPCError",
+    "rpc_server_path",
     "default_threads",
     "Engine",
     "Completion",
@@ -56,7 +59,9 @@ def system_info() -> dict[str, object]:
         "llama_cpp_commit": manifest_commit,
         "sdist_sha256": vendor.get("sha256"),
         "patches": [name for name, _ in vendor.get("patches", [])],
+        # true with the RPC backend alone: RPC servers count as GPUs for offloading
         "gpu_offload": bool(lib.llama_supports_gpu_offload()),
+        "rpc": lib.ggml_backend_reg_by_name(b"RPC") != ffi.NULL,
         "backend": ffi.string(lib.llama_print_system_info()).decode(),
         "build_type": info.get("build_type"),
         "build_flags": [f for f in info.get("build_flags", "").split(";") if f],

@@ -13,9 +13,11 @@ import cffi
 
 DECL = Path(__file__).resolve().parent / "decl"
 # order matters: later files use the types of earlier ones
-DECL_FILES = ("llama.h", "llama-mtp.h", "callbacks.h")
+DECL_FILES = ("ggml-backend.h", "llama.h", "llama-mtp.h", "callbacks.h")
 
 SOURCE = """
+#include "ggml-backend.h"
+#include "ggml-rpc.h"
 #include "llama.h"
 #include "llama-mtp.h"
 """

@@ -109,6 +109,8 @@ class Engine:
         n_ctx: context size (0: the model's). n_batch, n_ubatch: as ``-b``/``-ub``.
         n_threads, n_threads_batch: CPU threads (default: all this process may use).
         n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all.
+        rpc: RPC servers for the target and the draft (MTP) model, ``"host:port,..."``
+            (llama-server's ``--rpc``); they count as GPUs for ``n_gpu_layers``.
         seed: default seed of the samplers (a request's own seed wins).
         progress: show loading progress on stderr.
         debug: check the driver's invariant (pending_h == h_tgt(pos(id_last) - 1))
@@ -135,6 +137,7 @@ class Engine:
         n_threads_batch: int | None = None,
         n_gpu_layers: int | str = 0,
         n_gpu_layers_draft: int | str | None = None,
+        rpc: str | Sequence[str] | None = None,
         seed: int = -1,
         flash_attn: bool | None = None,
         progress: bool = False,
@@ -144,7 +147,7 @@ class Engine:
                                        verify=verify, adaptive=adaptive)
         self.seed = seed
         self._lock = threading.Lock()
-        self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress)
+        self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc)
         self.draft_model: Model | None = None
         self.target: Context | None = None
         self.draft: Context | None = None
@@ -158,7 +161,7 @@ class Engine:
             if self.spec.mode != "none":
                 if mtp_model is not None:
                     ngl = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
-                    self.draft_model = Model(mtp_model, n_gpu_layers=ngl, progress=progress)
+                    self.draft_model = Model(mtp_model, n_gpu_layers=ngl, progress=progress, rpc=rpc)
                     if self.draft_model.n_vocab != self.model.n_vocab:
                         raise ValueError(
                             f"{mtp_model}: vocabulary of {self.draft_model.n_vocab} tokens, "

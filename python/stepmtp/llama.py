@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .binding import ErrorCapture, LlamaError, ensure_backend, ffi, lib
+from .rpc import Servers, parse_servers
 
 __all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "default_threads"]
 
@@ -124,6 +125,8 @@ class Model(_Closing):
     Args:
         path: the .gguf file.
         n_gpu_layers: layers to offload to the GPU (``"all"`` or -1 for all; 0 on CPU).
+        rpc: RPC servers, ``"host:port,host:port"`` or a list (llama-server's ``--rpc``):
+            their devices come first among the GPUs that ``n_gpu_layers`` fills.
         use_mmap, use_mlock: as llama.cpp's options of the same names.
         progress: True to draw a progress bar on stderr, or a callable taking a
             fraction in [0, 1].
@@ -132,6 +135,7 @@ class Model(_Closing):
     Raises:
         ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it
             (the message carries llama.cpp's reason, e.g. the missing tensor).
+        RPCError: an RPC server could not be reached or was lost during the load.
     """
 
     def __init__(
@@ -143,10 +147,13 @@ class Model(_Closing):
         use_mlock: bool = False,
         progress: bool | Callable[[float], None] = False,
         vocab_only: bool = False,
+        rpc: str | Sequence[str] | None = None,
     ) -> None:
         ensure_backend()
         self.path = Path(path)
         self._ptr = ffi.NULL
+        #: the RPC servers holding layers of this model (None: local only)
+        self.rpc: Servers | None = None
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         _check_gguf(self.path)
 
@@ -155,6 +162,10 @@ class Model(_Closing):
         params.use_mmap = use_mmap
         params.use_mlock = use_mlock
         params.vocab_only = vocab_only
+        servers = parse_servers(rpc)
+        if servers:
+            self.rpc = Servers(servers, n_gpu_layers=params.n_gpu_layers)
+            params.devices = self.rpc.devices
         handle = None
         if progress:
             handle = ffi.new_handle(_Progress(self.path.name, progress if callable(progress) else None))
@@ -163,9 +174,15 @@ class Model(_Closing):
 
         with ErrorCapture() as cap:
             ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+        if self.rpc is not None and self.rpc.lost():
+            if ptr != ffi.NULL:
+                lib.llama_model_free(ptr)
+            self.rpc.check(cap.message(f"{self.path}: loading"))
         if ptr == ffi.NULL:
             raise ModelLoadError(cap.message(f"{self.path}: llama.cpp could not load the model"))
         self._ptr = ptr
+        if self.rpc is not None:
+            self.rpc.attach(self)
         self._vocab = lib.llama_model_get_vocab(ptr)
 
         self.n_vocab: int = lib.llama_vocab_n_tokens(self._vocab)
@@ -448,6 +465,10 @@ class Context(_Closing):
         params.type_v = _kv_type(type_v)
         with ErrorCapture() as cap:
             ptr = lib.llama_init_from_model(model.ptr, params)
+        if model.rpc is not None and model.rpc.lost():
+            if ptr != ffi.NULL:
+                lib.llama_free(ptr)
+            model.rpc.check(cap.message(f"{model.path}: creating a context"))
         if ptr == ffi.NULL:
             raise LlamaError(cap.message(f"{model.path}: could not create a llama.cpp context"))
         self._ptr = ptr
@@ -488,6 +509,9 @@ class Context(_Closing):
             raise ValueError(f"token id out of range [0, {self.n_vocab})")
         with ErrorCapture() as cap:
             rc = lib.llama_decode(self.ptr, batch.c)
+        if self.model.rpc is not None:
+            # a result that came through a lost connection is void even when rc is 0
+            self.model.rpc.check("llama_decode")
         if rc != 0:
             reason = {1: "no KV cache slot for the batch (context full)", 2: "aborted"}.get(rc, f"error {rc}")
             raise LlamaError(cap.message(f"llama_decode failed: {reason}"))

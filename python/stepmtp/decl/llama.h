@@ -56,6 +56,7 @@ typedef struct llama_batch {
 } llama_batch;
 
 struct llama_model_params {
+    ggml_backend_dev_t * devices;
     int32_t n_gpu_layers;
     int32_t main_gpu;
     llama_progress_callback progress_callback;
