@@ -1,10 +1,13 @@
 """ggml's RPC backend: two ``rpc-server`` processes on 127.0.0.1 started (and stopped)
 here. Output over RPC equals local output at temperature 0 (plain and chained MTP, one
 file and a split pair); a dead server is an RPCError naming it, quickly, with the
-process still able to close the model and run a local one."""
+process still able to close the model and run a local one; the server and the bench
+take ``--rpc``."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -197,3 +200,76 @@ def test_rpc_server_module_runs_the_binary():
     r = subprocess.run([sys.executable, "-m", "stepmtp.rpc_server", "--help"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "--port PORT" in r.stderr and "--cache" in r.stderr
+
+
+def test_server_cli_flag(monkeypatch):
+    from stepmtp.server.cli import parse_args
+
+    assert parse_args(["--rpc", "a:1,b:2"]).rpc == ["a:1", "b:2"]
+    assert parse_args([]).rpc == []
+    monkeypatch.setenv("LLAMA_ARG_RPC", "c:3")
+    assert parse_args([]).rpc == ["c:3"]
+    assert parse_args(["--rpc", "d:4"]).rpc == ["d:4"]
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--rpc", "nohost"])
+    assert e.value.code == 2
+
+
+def _server(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+    proc = subprocess.Popen([sys.executable, "-m", "stepmtp.server", *args, "--host", "127.0.0.1", "--port",
+                             str(port)], stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_http_server_over_rpc(agree, tmp_path):
+    """The server with --rpc answers as the engine does locally; a lost server turns
+    requests into 500s naming it; a dead one at start is a failed start, not a hang."""
+    import httpx
+
+    local, _ = generate(agree, "chain")
+    pair = [RPCServer(), RPCServer()]
+    proc, url = _server(["-m", str(agree), "--spec-type", "draft-mtp", "-c", str(N_CTX), "-np", "1", "-t", "1",
+                         "--temp", "0", "--rpc", ",".join(s.endpoint for s in pair), "-ngl", "all"],
+                        tmp_path / "srv.log")
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (tmp_path / "srv.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not become ready"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        body = {"prompt": PROMPT, "n_predict": N, "temperature": 0, "return_tokens": True}
+        r = httpx.post(f"{url}/completion", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["tokens"] == local
+        pair[0].stop()
+        r = httpx.post(f"{url}/completion", json=body, timeout=60)
+        assert r.status_code == 500 and pair[0].endpoint in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        for s in pair:
+            s.stop()
+
+    dead = f"127.0.0.1:{free_port()}"
+    proc, _ = _server(["-m", str(agree), "--rpc", dead, "-ngl", "all"], tmp_path / "dead.log")
+    assert proc.wait(60) == 1
+    assert f"{dead}: connection refused" in (tmp_path / "dead.log").read_text()
+
+
+def test_bench_runs_over_rpc(agree, endpoints, tmp_path):
+    from stepmtp.bench.__main__ import main as bench_main
+
+    out = tmp_path / "bench.json"
+    rc = bench_main(["-m", str(agree), "--configs", "chain-3", "--categories", "code_python", "-n", "16", "-t", "1",
+                     "--rpc", endpoints, "--rpc-vs-local", "--json", str(out), "--no-progress", "-q"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["rpc"] == endpoints
+    assert doc["identical_outputs"]
+    assert [c["label"] for c in doc["configs"]] == ["chain-3", "rpc-chain-3"]

@@ -17,6 +17,7 @@ import argparse
 import json
 import signal
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,6 +30,22 @@ from .runners import (COMPARE_CONFIGS, COMPARE_CPP_CONFIGS, BenchConfig, EngineR
                       URLRunner, find_llama_server, parse_configs)
 
 PROG = "python -m stepmtp.bench"
+
+@dataclass(frozen=True)
+class RPCConfig(BenchConfig):
+    """An in-process configuration whose offloaded layers are on the --rpc servers."""
+
+    @property
+    def label(self) -> str:
+        return "rpc-" + super().label
+
+    @property
+    def family(self) -> str:
+        return "rpc"
+
+    def describe(self) -> str:
+        return super().describe() + ", layers on the RPC servers"
+
 
 #: settings a baseline carries, so that --baseline FILE alone reruns them
 BASELINE_SETTINGS = ("model", "bench_model_mb", "prompts", "categories", "limit", "n_predict", "configs",
@@ -65,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "installed with the package. --compare adds it by itself when installed")
     g.add_argument("--no-llama-server", action="store_true", help="--compare without the C++ llama-server")
     g.add_argument("--api-key", help="for --url")
+    g.add_argument("--rpc", metavar="SERVERS", default=None,
+                   help="RPC servers (host:port,...) holding the in-process engine's offloaded layers "
+                        "(llama-server's --rpc); the configurations are labelled rpc-*")
+    g.add_argument("--rpc-vs-local", action="store_true",
+                   help="with --rpc: also run each configuration locally, interleaved in the same run")
+    g.add_argument("-ngl", "--n-gpu-layers", dest="ngl", default=None,
+                   help="layers offloaded to the GPU or the --rpc servers: a number or 'all' "
+                        "(default: all with --rpc, else none)")
     g = ap.add_argument_group("configurations")
     g.add_argument("--mode", "--mtp-mode", dest="mode", choices=["chain", "single", "none"], default="chain")
     g.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=3)
@@ -158,6 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"{args.baseline}: no such baseline (make it with --update-baseline)")
     if args.update_baseline and not args.baseline:
         ap.error("--update-baseline needs --baseline FILE")
+    if args.rpc and (args.url or args.server):
+        ap.error("--rpc applies to the in-process engine (not --url or --server)")
+    if args.rpc_vs_local and not args.rpc:
+        ap.error("--rpc-vs-local needs --rpc SERVERS")
+    local_kw: dict[str, Any] = {} if args.ngl is None else {"n_gpu_layers": args.ngl}
+    rpc_kw: dict[str, Any] = {"rpc": args.rpc, "n_gpu_layers": "all" if args.ngl is None else args.ngl}
     if args.url and (args.compare or args.configs or args.server):
         ap.error("--url runs the server as it is configured: no --compare, --configs or --server with it")
     s = _settings(args, baseline)
@@ -211,14 +242,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_info = _model_info(s["model"], path, s["bench_model_mb"])
         for c in cfgs:
             if c.backend == "engine":
-                runners.append(EngineRunner(c, path, mtp_model=args.mtp_model, n_ctx=s["ctx_size"],
-                                            n_threads=s["threads"]))
+                engine_kw = dict(mtp_model=args.mtp_model, n_ctx=s["ctx_size"], n_threads=s["threads"])
+                if not args.rpc or args.rpc_vs_local:
+                    runners.append(EngineRunner(c, path, engine_kw=local_kw, **engine_kw))
+                if args.rpc:
+                    runners.append(EngineRunner(RPCConfig(**asdict(c)), path, engine_kw=rpc_kw, **engine_kw))
             else:
                 runners.append(ServerRunner(c, path, mtp_model=args.mtp_model, n_ctx=s["ctx_size"],
                                             n_threads=s["threads"], llama_server=llama_server))
     settings = {**s, "configs": [c.label for c in cfgs], "backend": "url" if args.url else
                 ("server" if args.server else "engine"), "mtp_model": args.mtp_model,
                 "llama_server": str(llama_server) if llama_server else None, "temperature": 0.0}
+    if args.rpc:
+        settings.update(rpc=args.rpc, rpc_vs_local=args.rpc_vs_local, n_gpu_layers=rpc_kw["n_gpu_layers"])
     try:
         run = run_bench(prompts, runners, repeat=s["repeat"], warmup=s["warmup"], settings=settings,
                         progress=progress)

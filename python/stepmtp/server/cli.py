@@ -66,6 +66,18 @@ def _csv(v: str) -> list[str]:
     return [x.strip() for x in v.split(",") if x.strip()]
 
 
+def _rpc_servers(v: str) -> list[str]:
+    from ..rpc import parse_servers
+
+    try:
+        servers = parse_servers(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not servers:
+        raise argparse.ArgumentTypeError("no RPC servers specified")
+    return servers
+
+
 SPEC_TYPES_LLAMA = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "ngram-simple", "ngram-map-k",
                     "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
@@ -168,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU threads for prompt processing (default: same as --threads)")
     add(g, "-ngl", "--gpu-layers", "--n-gpu-layers", metavar="N", dest="ngl", type=_layers, default="auto",
         env="LLAMA_ARG_N_GPU_LAYERS", help="layers in VRAM: a number, 'auto' or 'all' (default: auto)")
+    add(g, "--rpc", metavar="SERVERS", dest="rpc", type=_rpc_servers, default=None, env="LLAMA_ARG_RPC",
+        help="comma-separated list of RPC servers (host:port), for the model and the draft (MTP) model; "
+             "their devices count as GPUs for -ngl / --spec-draft-ngl (see python -m stepmtp.rpc_server)")
     add(g, "-fa", "--flash-attn", metavar="on|off|auto", dest="flash_attn", type=_on_off_auto, default=None,
         env="LLAMA_ARG_FLASH_ATTN", help="flash attention (default: auto)")
 
@@ -308,6 +323,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         n_threads_batch=threads(a.threads_batch),
         n_gpu_layers=a.ngl,
         n_gpu_layers_draft=a.ngl_draft,
+        rpc=a.rpc or [],
         flash_attn=a.flash_attn,
         seed=a.seed,
         n_predict=a.n_predict,

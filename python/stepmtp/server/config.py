@@ -57,6 +57,8 @@ class ServerConfig:
     n_threads_batch: int | None = None
     n_gpu_layers: int | str = "auto"
     n_gpu_layers_draft: int | str | None = None
+    #: --rpc: RPC servers (host:port) holding offloaded layers of the model and the draft model
+    rpc: list[str] = field(default_factory=list)
     flash_attn: bool | None = None
     #: --seed; -1 (or 4294967295): random
     seed: int = -1
@@ -122,6 +124,7 @@ class ServerConfig:
             n_threads_batch=self.n_threads_batch,
             n_gpu_layers=self.n_gpu_layers,
             n_gpu_layers_draft=self.n_gpu_layers_draft,
+            rpc=self.rpc or None,
             seed=self.seed if 0 <= self.seed < DEFAULT_SEED else -1,
             flash_attn=self.flash_attn,
         )
