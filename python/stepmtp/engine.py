@@ -7,95 +7,16 @@
 """
 from __future__ import annotations
 
-import codecs
 import os
 import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterator, Sequence
 
 from .llama import Context, Model, default_threads
-from .mtp import MTPDriver, Mode, RoundTrace, Schedule, SeqState, SpecConfig, Verify
-from .sampling import Sampler, SamplingParams
-from .stats import GenStats
+from .mtp import MTPDriver, Mode, Schedule, SpecConfig, Verify
+from .sampling import SamplingParams
+from .slots import Chunk, Completion, Request, Slots, StopType
 
-__all__ = ["Engine", "Completion", "Chunk", "SpecConfig", "SamplingParams"]
-
-StopType = Literal["none", "eos", "word", "limit"]
-
-
-@dataclass
-class Chunk:
-    """A piece of streamed output: text now safe to show and the tokens behind it."""
-
-    text: str
-    tokens: list[int]
-    #: set on the last chunk only
-    finish_reason: str | None = None
-
-
-@dataclass
-class Completion:
-    """The result of a generation."""
-
-    text: str
-    tokens: list[int]
-    #: "stop" (end of generation or a stop string) or "length" (n_predict or context)
-    finish_reason: str
-    #: llama-server's stop_type: "eos", "word", "limit"
-    stop_type: StopType
-    stopping_word: str = ""
-    prompt_tokens: list[int] = field(default_factory=list)
-    stats: GenStats = field(default_factory=GenStats)
-    #: debug mode only: what each round drafted and accepted
-    trace: list[RoundTrace] | None = None
-
-
-class _TextAssembler:
-    """Turns a token stream into text, holding back what may become a stop string
-    and bytes that do not yet form a whole UTF-8 character."""
-
-    def __init__(self, stop: Sequence[str]) -> None:
-        self.stop = [s for s in stop if s]
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.text = ""
-        self.sent = 0
-        self.stopping_word = ""
-
-    def push(self, piece: bytes) -> bool:
-        """Add a token's bytes; True when a stop string has appeared (text cut before it)."""
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
-        self.text += self.decoder.decode(piece)
-        for s in self.stop:
-            j = self.text.find(s, start)
-            if j >= 0:
-                self.text = self.text[:j]
-                self.stopping_word = s
-                return True
-        return False
-
-    def take(self, final: bool = False) -> str:
-        """Text that can be sent now (all of it when final)."""
-        if final:
-            self.text += self.decoder.decode(b"", final=True)
-            end = len(self.text)
-        else:
-            end = len(self.text) - self._held()
-        out = self.text[self.sent : end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return out
-
-    def _held(self) -> int:
-        # the longest tail of the text that is a proper prefix of a stop string
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
-
+__all__ = ["Engine", "Completion", "Chunk", "SpecConfig", "SamplingParams", "StopType"]
 
 class Engine:
     """A Step3.5 model with its MTP heads, ready to generate.
@@ -111,6 +32,12 @@ class Engine:
         n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all.
         rpc: RPC servers for the target and the draft (MTP) model, ``"host:port,..."``
             (llama-server's ``--rpc``); they count as GPUs for ``n_gpu_layers``.
+        n_parallel: slots (llama-server's ``-np``): this many generations decode
+            together, batched into the same decodes; calls from several threads
+            (``generate``, ``stream``) share the rounds.
+        kv_unified: one KV cache shared by all slots, each slot may use all of
+            ``n_ctx`` (llama-server's ``-kvu``); False splits ``n_ctx`` evenly.
+            Default: unified with one slot, split with more.
         seed: default seed of the samplers (a request's own seed wins).
         progress: show loading progress on stderr.
         debug: check the driver's invariant (pending_h == h_tgt(pos(id_last) - 1))
@@ -138,6 +65,8 @@ class Engine:
         n_gpu_layers: int | str = 0,
         n_gpu_layers_draft: int | str | None = None,
         rpc: str | Sequence[str] | None = None,
+        n_parallel: int = 1,
+        kv_unified: bool | None = None,
         seed: int = -1,
         flash_attn: bool | None = None,
         progress: bool = False,
@@ -146,6 +75,10 @@ class Engine:
         self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule,
                                        verify=verify, adaptive=adaptive)
         self.seed = seed
+        if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
+            raise ValueError(f"n_parallel must be a positive integer, not {n_parallel!r}")
+        self.n_parallel = n_parallel
+        unified = n_parallel == 1 if kv_unified is None else bool(kv_unified)
         self._lock = threading.Lock()
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc)
         self.draft_model: Model | None = None
@@ -155,9 +88,9 @@ class Engine:
             threads = n_threads or default_threads()
             ctx_kw: dict[str, Any] = dict(
                 n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
-                n_threads_batch=n_threads_batch or threads, flash_attn=flash_attn,
+                n_threads_batch=n_threads_batch or threads, flash_attn=flash_attn, n_seq_max=n_parallel,
             )
-            self.target = Context(self.model, **ctx_kw)
+            self.target = Context(self.model, kv_unified=unified, **ctx_kw)
             if self.spec.mode != "none":
                 if mtp_model is not None:
                     ngl = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
@@ -174,10 +107,14 @@ class Engine:
                         )
                 else:
                     self.draft_model = self.model
-                ctx_kw["n_ctx"] = self.target.n_ctx
-                self.draft = Context(self.draft_model, mtp=True, **ctx_kw)
+                # the heads' KV is per sequence whatever the target's is: a head catching
+                # up re-decodes positions another head holds, and their cells must stay
+                # put, which a cache shared by several sequences does not promise
+                ctx_kw["n_ctx"] = self.target.n_ctx_seq * n_parallel
+                self.draft = Context(self.draft_model, mtp=True, kv_unified=n_parallel == 1, **ctx_kw)
             debug = debug or os.environ.get("STEPMTP_DEBUG", "") not in ("", "0")
-            self.driver = MTPDriver(self.target, self.draft, self.spec, debug=debug)
+            self.driver = MTPDriver(self.target, self.draft, self.spec, n_seq=n_parallel, debug=debug)
+            self.slots = Slots(self.driver, self.model, n_parallel)
         except BaseException:
             self.close()
             raise
@@ -202,7 +139,8 @@ class Engine:
 
     @property
     def n_ctx(self) -> int:
-        return self.target.n_ctx
+        """Positions one generation may use (all of -c, or its share per slot)."""
+        return self.target.n_ctx_seq
 
     @property
     def n_heads(self) -> int:
@@ -230,7 +168,7 @@ class Engine:
         """Generate a completion. ``sampling_kw`` are SamplingParams fields
         (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...); ``verify``
         overrides the engine's verification (exact, rejection, auto) for this request."""
-        gen = self._run(prompt, n_predict, stop, sampling, sampling_kw, verify)
+        gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify))
         while True:
             try:
                 next(gen)
@@ -242,11 +180,11 @@ class Engine:
                **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
         return value (``StopIteration.value``) is the Completion."""
-        return self._run(prompt, n_predict, stop, sampling, sampling_kw, verify)
+        return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify))
 
-    def _run(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
-             sampling: SamplingParams | None, sampling_kw: dict[str, Any],
-             verify: Verify | None = None) -> Iterator[Chunk]:
+    def _request(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
+                 sampling: SamplingParams | None, sampling_kw: dict[str, Any],
+                 verify: Verify | None = None) -> Request:
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
             raise ValueError(f"unknown verification {verify!r} (auto, exact, rejection)")
@@ -268,51 +206,48 @@ class Engine:
         if isinstance(stop, str):
             stop = [stop]
         rejection = verify != "exact" and not params.greedy and self.driver.speculate
-        return self._generate(prompt_tokens, n_predict, list(stop), params, rejection)
+        return Request(prompt_tokens, n_predict, list(stop), params, rejection)
 
-    def _generate(self, prompt_tokens: list[int], n_predict: int, stop: list[str],
-                  params: SamplingParams, rejection: bool) -> Iterator[Chunk]:
-        with self._lock:
-            s = SeqState(seq_id=0, sampler=Sampler(params), rejection=rejection)
-            asm = _TextAssembler(stop)
-            out_tokens: list[int] = []
-            stop_type: StopType = "none"
-            finish = "length"
-            if n_predict == 0:
-                return Completion("", [], "length", "limit", prompt_tokens=prompt_tokens, stats=s.stats)
-            pending = [self.driver.begin(s, prompt_tokens)]
-            t_gen = time.perf_counter()
-            unsent: list[int] = []  # tokens whose text goes out with the last chunk
-            try:
-                while stop_type == "none":
-                    for tok in pending:
-                        if self.model.is_eog(tok):
-                            stop_type, finish = "eos", "stop"
-                            break
-                        out_tokens.append(tok)
-                        if asm.push(self.model.token_to_piece(tok)):
-                            stop_type, finish, unsent = "word", "stop", [tok]
-                            break
-                        if 0 < n_predict <= len(out_tokens):
-                            stop_type, finish, unsent = "limit", "length", [tok]
-                            break
-                        yield Chunk(asm.take(), [tok])
-                    else:
-                        if s.pos >= self.n_ctx:  # no room to decode id_last: the context is full
-                            stop_type, finish = "limit", "length"
-                            break
-                        pending = self.driver.round(s)
-            finally:
-                s.stats.t_gen_ms += (time.perf_counter() - t_gen) * 1e3
-                s.stats.n_predicted = len(out_tokens) + (stop_type == "eos")
-            yield Chunk(asm.take(final=True), unsent, finish_reason=finish)
-            return Completion(
-                text=asm.text,
-                tokens=out_tokens,
-                finish_reason=finish,
-                stop_type=stop_type,
-                stopping_word=asm.stopping_word,
-                prompt_tokens=prompt_tokens,
-                stats=s.stats,
-                trace=s.trace,
-            )
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], *, n_predict: int = -1,
+                      stop: Sequence[str] = (), sampling: SamplingParams | None = None,
+                      verify: Verify | None = None, **sampling_kw: Any) -> list[Completion]:
+        """Generate completions of several prompts together, ``n_parallel`` at a time
+        (batched into the same decodes); same arguments as ``generate``."""
+        reqs = [self._request(p, n_predict, stop, sampling, sampling_kw, verify) for p in prompts]
+        try:
+            for r in reqs:
+                self.slots.submit(r)
+            while not all(r.done for r in reqs):
+                with self._lock:
+                    self.slots.step()
+        finally:
+            with self._lock:
+                for r in reqs:
+                    if not r.done:
+                        self.slots.drop(r)
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return [r.completion for r in reqs]
+
+    def _generate(self, req: Request) -> Iterator[Chunk]:
+        """Submit ``req`` and step the slots until it is done, yielding its chunks
+        as they come; other threads' requests are stepped along with it."""
+        slots = self.slots
+        slots.submit(req)
+        try:
+            while True:
+                while req.chunks:
+                    yield req.chunks.popleft()
+                if req.done:
+                    break
+                with self._lock:
+                    if not req.chunks and not req.done:
+                        slots.step()
+            if req.error is not None:
+                raise req.error
+            return req.completion
+        finally:
+            if not req.done:
+                with self._lock:
+                    slots.drop(req)

@@ -369,23 +369,36 @@ class Batch:
 
         ``outputs``: "last", "all", "none", or a boolean mask.
         """
-        n = len(tokens)
-        if n > self.capacity:
-            raise ValueError(f"{n} tokens exceed the batch capacity {self.capacity}")
-        self.n = n
-        self.token[:n] = tokens
-        self.pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        self.seq[:n] = seq
+        self.n = 0
+        self.append(tokens, pos0, seq, outputs=outputs, embd=embd)
+
+    def append(self, tokens: Sequence[int] | np.ndarray, pos0: int, seq: int = 0, *,
+               outputs: str | np.ndarray = "none", embd: np.ndarray | None = None) -> int:
+        """Append consecutive tokens of one sequence at ``pos0, pos0+1, ..``; returns
+        the index of the first. ``outputs`` as for ``fill``."""
+        i, n = self.n, len(tokens)
+        if i + n > self.capacity:
+            raise ValueError(f"{i + n} tokens exceed the batch capacity {self.capacity}")
+        j = i + n
+        self.token[i:j] = tokens
+        self.pos[i:j] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self.seq[i:j] = seq
         if isinstance(outputs, str):
-            self.logits[:n] = 1 if outputs == "all" else 0
+            self.logits[i:j] = 1 if outputs == "all" else 0
             if outputs == "last" and n:
-                self.logits[n - 1] = 1
+                self.logits[j - 1] = 1
         else:
-            self.logits[:n] = outputs
+            self.logits[i:j] = outputs
         if embd is not None:
             if self.embd is None:
                 raise ValueError("this batch carries no hidden rows")
-            self.embd[:n] = embd
+            self.embd[i:j] = embd
+        self.n = j
+        return i
+
+    def rows_of(self, seq: int) -> int:
+        """How many rows of the batch belong to ``seq``."""
+        return int(np.count_nonzero(self.seq[: self.n] == seq))
 
     @property
     def n_outputs(self) -> int:
@@ -478,6 +491,9 @@ class Context(_Closing):
         self.n_batch: int = lib.llama_n_batch(ptr)
         self.n_ubatch: int = lib.llama_n_ubatch(ptr)
         self.n_seq_max: int = lib.llama_n_seq_max(ptr)
+        #: positions one sequence can hold: n_ctx, or n_ctx / n_seq_max with per-sequence KV
+        self.n_ctx_seq: int = lib.llama_n_ctx_seq(ptr)
+        self.kv_unified = kv_unified
         self.n_vocab = model.n_vocab
         self.n_embd = model.n_embd
         self._nextn = (False, False)

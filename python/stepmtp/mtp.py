@@ -170,10 +170,26 @@ class SeqState:
     #: fused schedule: head k is anchored on positions [0, kv_valid[k])
     kv_valid: list[int] = field(default_factory=list)
     anchors: _Anchors | None = None
+    #: prompt processing: the prompt, and how much of it the target has decoded
+    prompt: list[int] = field(default_factory=list)
+    n_prefilled: int = 0
     #: debug mode: every trunk hidden row the target produced, by position
     h_log: dict[int, np.ndarray] | None = None
     #: debug mode: one RoundTrace per round
     trace: list["RoundTrace"] | None = None
+    # the current round: its draft length, drafts, their probabilities, the heads'
+    # output rows (out_0 .. out_{n-1}), the distributions drafts were drawn from
+    # (rejection), and the batch row of the sequence's output in the last draft decode
+    n_plan: int = 0
+    drafts: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    chain_h: np.ndarray | None = None
+    q: np.ndarray | None = None
+    row: int = -1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_prefilled < len(self.prompt)
 
 
 @dataclass
@@ -194,11 +210,18 @@ class RoundTrace:
 class MTPDriver:
     """Runs MTP rounds for sequences on a target and a draft context.
 
+    A round serves every sequence passed to it at once: one target decode carries
+    each sequence's ``[id_last, drafts..]``, one draft decode per step carries each
+    still-drafting sequence's rows. ``n_seq`` sequences may be in flight; the draft
+    context needs per-sequence KV (``kv_unified=False``), because a head that catches
+    up re-decodes positions another head already holds, and their cells must not move.
+
     ``draft`` may be None for ``mode="none"``. ``debug`` checks the invariant
     ``pending_h == h_tgt(pos(id_last) - 1)`` every round (it keeps every trunk row).
     """
 
-    def __init__(self, target: Context, draft: Context | None, spec: SpecConfig, *, debug: bool = False) -> None:
+    def __init__(self, target: Context, draft: Context | None, spec: SpecConfig, *,
+                 n_seq: int = 1, debug: bool = False) -> None:
         self.target = target
         self.draft = draft
         self.spec = spec
@@ -206,6 +229,8 @@ class MTPDriver:
         self.speculate = spec.mode != "none" and spec.n_max > 0
         if self.speculate and draft is None:
             raise ValueError("speculation needs a draft (MTP) context")
+        if n_seq > 1 and draft is not None and draft.kv_unified:
+            raise ValueError("several sequences need a draft context with per-sequence KV (kv_unified=False)")
         self.n_heads = draft.model.n_mtp_blocks if draft is not None else 0
         self.n_draft = spec.draft_length(self.n_heads) if self.speculate else 0
         self.fused = spec.schedule == "fused"
@@ -215,9 +240,13 @@ class MTPDriver:
         # the change's schedule re-anchors every head, used or not, each round
         self.process_heads = list(range(self.n_heads)) if spec.mode == "chain" else [0]
         self.n_embd = target.n_embd
+        self.n_seq = n_seq
         self.n_chunk = target.n_batch if draft is None else min(target.n_batch, draft.n_batch)
-        if self.speculate and self.n_chunk <= self.n_draft:
-            raise ValueError(f"n_batch ({self.n_chunk}) must exceed the draft length ({self.n_draft})")
+        # rows one sequence may put in a shared decode: every sequence's rows must fit
+        self.n_rows_seq = self.n_chunk // n_seq
+        if self.n_rows_seq <= self.n_draft + 1:
+            raise ValueError(f"n_batch ({self.n_chunk}) must exceed {n_seq} x (draft length + 2)")
+        self.n_ctx_seq = target.n_ctx_seq
         self.tbatch = Batch(self.n_chunk)
         self.dbatch = Batch(self.n_chunk, n_embd=self.n_embd) if draft is not None else None
         # unmasked: a hidden row for every batch row (the prompt's rows are not outputs)
@@ -225,118 +254,151 @@ class MTPDriver:
         if draft is not None:
             draft.set_nextn(True, masked=True)
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
-        # fused schedule: the heads' output rows out_0 .. out_{n-1} of the current round
-        self._chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
-        self._probs = [0.0] * max(1, self.n_draft)
         self._t_steps: list[float] = []  # seconds per draft step of the current round
         self._need_p = spec.p_min > 0 or debug
-        # rejection sampling: the distributions the round's drafts were drawn from
-        self._q = np.zeros((max(1, self.n_draft), target.n_vocab), dtype=np.float64)
 
     # -- timing: what runs inside llama.cpp, so the rest is Python's share ------
 
-    def _decode(self, ctx: Context, batch: Batch, s: SeqState) -> None:
+    def _decode(self, ctx: Context, batch: Batch, seqs: list[SeqState]) -> None:
+        """One decode shared by ``seqs``: each is charged the time it waited and the
+        decode, and its own rows."""
         t0 = time.perf_counter()
         ctx.decode(batch)
-        s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
-        if ctx is self.target:
-            s.stats.n_target_decodes += 1
-            s.stats.n_target_rows += batch.n
-        else:
-            s.stats.n_draft_decodes += 1
-            s.stats.n_draft_rows += batch.n
+        dt = (time.perf_counter() - t0) * 1e3
+        target = ctx is self.target
+        for s in seqs:
+            st = s.stats
+            st.t_llama_ms += dt
+            rows = batch.n if len(seqs) == 1 else batch.rows_of(s.seq_id)
+            if target:
+                st.n_target_decodes += 1
+                st.n_target_rows += rows
+            else:
+                st.n_draft_decodes += 1
+                st.n_draft_rows += rows
 
     # -- bootstrap --------------------------------------------------------------
 
-    def begin(self, s: SeqState, prompt: list[int]) -> int:
-        """Decode the prompt, anchor the heads on it, and sample the first token."""
+    def start(self, s: SeqState, prompt: list[int]) -> None:
+        """Make ``s`` a fresh sequence with this prompt; ``prefill`` decodes it."""
         if not prompt:
             raise ValueError("empty prompt")
-        if len(prompt) >= self.target.n_ctx:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context ({self.target.n_ctx})")
-        t0 = time.perf_counter()
+        if len(prompt) >= self.n_ctx_seq:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context ({self.n_ctx_seq})")
         self.target.seq_rm(s.seq_id)
         if self.draft is not None:
             self.draft.seq_rm(s.seq_id)
+        s.prompt, s.n_prefilled = list(prompt), 0
         s.tokens = list(prompt)
+        s.pos, s.id_last = 0, -1
         s.pending_h = self._zero_h[0]
         s.policy = AdaptiveLength(self.n_draft) if self.spec.adaptive and self.speculate else None
         s.h_log = {} if self.debug else None
         s.trace = [] if self.debug else None
+        s.chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
+        s.probs = [0.0] * max(1, self.n_draft)
+        s.q = np.zeros((max(1, self.n_draft), self.target.n_vocab)) if s.rejection and self.speculate else None
         if self.fused and self.speculate:
             s.kv_valid = [0] * self.n_heads
             s.anchors = s.anchors or _Anchors(self.n_embd, 2 * self.n_chunk)
             s.anchors.reset()
-        n = len(prompt)
-        logits = None
-        for a in range(0, n, self.n_chunk):
-            chunk = prompt[a : a + self.n_chunk]
-            last = a + len(chunk) == n
-            self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
-            self._decode(self.target, self.tbatch, s)
-            if self.speculate:
-                h = self.target.nextn(len(chunk))
-                self._log_h(s, a, h)
-                if self.fused:
-                    # the heads see these rows in their next decodes; whole chunks go
-                    # now, so the buffer stays under n_batch rows
-                    s.anchors.append(chunk[:1], s.pending_h[None, :])
-                    s.anchors.append(chunk[1:], h[:-1])
-                    self._catch_up(s, keep=self.n_chunk - 1 - self.n_draft)
-                else:
-                    self._process(s, chunk, a, h, n_rows=len(chunk))
-                s.pending_h = h[-1].copy()
-            if last:
-                logits = self.target.logits(-1)
-        s.id_last = s.sampler.sample(logits, s.tokens)
-        s.tokens.append(s.id_last)
-        s.pos = n
-        if self.fused and self.speculate:
-            s.anchors.append([s.id_last], s.pending_h[None, :])
-        s.stats.n_prompt = n
+
+    def prefill(self, s: SeqState, n_max: int | None = None) -> bool:
+        """Decode the next chunk of the prompt (at most ``n_max`` tokens) and anchor
+        the heads on it; after the last chunk, sample the first token. True when done."""
+        t0 = time.perf_counter()
+        a, n = s.n_prefilled, len(s.prompt)
+        chunk = s.prompt[a : a + min(self.n_chunk, n_max or self.n_chunk)]
+        last = a + len(chunk) == n
+        self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
+        self._decode(self.target, self.tbatch, [s])
+        if self.speculate:
+            h = self.target.nextn(len(chunk))
+            self._log_h(s, a, h)
+            if self.fused:
+                # the heads see these rows in their next decodes; whole chunks go
+                # now, so what is left fits a shared decode
+                s.anchors.append(chunk[:1], s.pending_h[None, :])
+                s.anchors.append(chunk[1:], h[:-1])
+                self._catch_up(s, keep=self.n_rows_seq - 1 - self.n_draft)
+            else:
+                self._process([(s, chunk, a, h)])
+            s.pending_h = h[-1].copy()
+        s.n_prefilled = a + len(chunk)
+        if last:
+            s.id_last = s.sampler.sample(self.target.logits(-1), s.tokens)
+            s.tokens.append(s.id_last)
+            s.pos = n
+            if self.fused and self.speculate:
+                s.anchors.append([s.id_last], s.pending_h[None, :])
+            s.stats.n_prompt = n
         s.stats.t_prompt_ms += (time.perf_counter() - t0) * 1e3
+        return last
+
+    def begin(self, s: SeqState, prompt: list[int]) -> int:
+        """Decode the prompt, anchor the heads on it, and sample the first token."""
+        self.start(s, prompt)
+        while not self.prefill(s):
+            pass
         return s.id_last
 
     # -- one round ----------------------------------------------------------------
 
-    def round(self, s: SeqState) -> list[int]:
-        """One draft / verify / (process) / accept round; returns the tokens it emits
-        (the accepted drafts and the target's own next token)."""
-        r = s.pos
-        if self.debug and self.speculate:
-            self._check_invariant(s)
-        room = self.target.n_ctx - 1 - r  # positions left after id_last
-        n_max = min(self.n_draft, room)
-        if s.policy is not None:
-            n_max = min(n_max, s.policy.choose())
+    def round(self, seqs: SeqState | list[SeqState]) -> list[list[int]] | list[int]:
+        """One draft / verify / (process) / accept round for every sequence in
+        ``seqs``; returns, per sequence, the tokens it emits (the accepted drafts and
+        the target's own next token). A single SeqState gets its list directly."""
+        if isinstance(seqs, SeqState):
+            return self.round([seqs])[0]
+        for s in seqs:
+            if self.debug and self.speculate:
+                self._check_invariant(s)
+            room = self.n_ctx_seq - 1 - s.pos  # positions left after id_last
+            s.n_plan = min(self.n_draft, room)
+            if s.policy is not None:
+                s.n_plan = min(s.n_plan, s.policy.choose())
+            s.drafts = []
         self._t_steps.clear()
-        if not self.speculate:
-            drafts = []
-        elif self.fused:
-            drafts = self._draft_fused(s, n_max)
-        else:
-            drafts = self._draft(s, n_max)
-        n = len(drafts)
+        if self.speculate:
+            if self.fused:
+                self._draft_fused(seqs)
+            else:
+                self._draft(seqs)
 
-        # verify: the target decodes id_last and the drafts, every row an output
+        # verify: the target decodes each sequence's id_last and drafts, every row an output
         t_verify = time.perf_counter()
-        self.tbatch.fill([s.id_last, *drafts], r, s.seq_id, outputs="all")
-        self._decode(self.target, self.tbatch, s)
+        tb = self.tbatch
+        tb.clear()
+        starts = [tb.append([s.id_last, *s.drafts], s.pos, s.seq_id, outputs="all") for s in seqs]
+        self._decode(self.target, tb, seqs)
         t0 = time.perf_counter()
-        logits = self.target.logits_rows(n + 1)
-        verify_h = self.target.nextn(n + 1) if self.speculate else None
-        s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
+        logits = self.target.logits_rows(tb.n)
+        verify_h = self.target.nextn(tb.n) if self.speculate else None
+        dt = (time.perf_counter() - t0) * 1e3
+        if self.speculate and not self.fused:
+            # process: re-anchor every head on the trunk rows, right-shifted by one
+            self._process([(s, [s.id_last, *s.drafts], s.pos, verify_h[i0 : i0 + len(s.drafts) + 1])
+                           for s, i0 in zip(seqs, starts)])
+        t_verify = time.perf_counter() - t_verify
+        outs = []
+        for s, i0 in zip(seqs, starts):
+            s.stats.t_llama_ms += dt
+            n = len(s.drafts)
+            vh = verify_h[i0 : i0 + n + 1] if verify_h is not None else None
+            outs.append(self._accept(s, logits[i0 : i0 + n + 1], vh, t_verify))
+        return outs
+
+    def _accept(self, s: SeqState, logits: np.ndarray, verify_h: np.ndarray | None, t_verify: float) -> list[int]:
+        """The target's samples while they equal the drafts (or rejection sampling);
+        moves the sequence past what it accepted."""
+        r, drafts = s.pos, s.drafts
+        n = len(drafts)
         if self.speculate:
             self._log_h(s, r, verify_h)
-            if not self.fused:
-                # process: re-anchor every head on the trunk rows, right-shifted by one
-                self._process(s, [s.id_last, *drafts], r, verify_h, n_rows=n + 1)
-
-        # accept: the target's samples while they equal the drafts, or rejection sampling
         if s.rejection:
             hist = s.tokens
             out = verify_rejection(
-                s.sampler, lambda i: s.sampler.dense(logits[i], hist + drafts[:i]), drafts, self._q[:n]
+                s.sampler, lambda i: s.sampler.dense(logits[i], hist + drafts[:i]), drafts, s.q[:n]
             )
             s.tokens.extend(out)
         else:
@@ -359,95 +421,106 @@ class MTPDriver:
             self.target.seq_rm(s.seq_id, s.pos)  # the rejected drafts' KV
         s.stats.count_round(n, a)
         if s.policy is not None:
-            s.policy.observe(n, a, self._t_steps, time.perf_counter() - t_verify)
+            s.policy.observe(n, a, self._t_steps, t_verify)
         if s.trace is not None:
             cells = (self.draft.seq_pos_min(s.seq_id), self.draft.seq_pos_max(s.seq_id)) if self.draft else (-1, -1)
-            s.trace.append(RoundTrace(r, drafts, self._probs[:n], a, out, cells, list(s.kv_valid)))
+            s.trace.append(RoundTrace(r, list(drafts), s.probs[:n], a, out, cells, list(s.kv_valid)))
         return out
+
+    def _drafting(self, seqs: list[SeqState], i: int) -> list[SeqState]:
+        """The sequences that draft step i: planned that far, not stopped by p_min."""
+        return [s for s in seqs if i < s.n_plan and len(s.drafts) == i]
+
+    def _end_drafts(self, seqs: list[SeqState]) -> None:
+        for s in seqs:
+            if len(s.drafts) < self.spec.n_min:
+                s.drafts = []
 
     # -- the change's schedule ---------------------------------------------------
 
-    def _draft(self, s: SeqState, n_max: int) -> list[int]:
-        """Up to n_max draft tokens from the heads (chained, or head 0 looped)."""
-        d, b, r = self.draft, self.dbatch, s.pos
-        drafts: list[int] = []
-        h_prev = s.pending_h
-        for i in range(n_max):
-            t_step = time.perf_counter()
-            if self.spec.mode == "chain":
-                # head i has no KV past r: it decodes the whole prefix, with the
-                # previous heads' output rows as its hidden inputs
-                d.seq_rm(s.seq_id, r)
-                d.mtp_offset = i
-                if i == 0:
-                    b.fill([s.id_last], r, s.seq_id, outputs="last", embd=s.pending_h[None, :])
-                else:
-                    self._grow(b, drafts[-1], r + i, s.seq_id, h_prev)
-            else:
-                # one head, its own KV: one new row per step
-                if i == 0:
-                    d.seq_rm(s.seq_id, r)
-                    d.mtp_offset = 0
-                    b.fill([s.id_last], r, s.seq_id, outputs="last", embd=s.pending_h[None, :])
-                else:
-                    b.fill([drafts[-1]], r + i, s.seq_id, outputs="last", embd=h_prev[None, :])
-            h_prev = self._take_draft(s, i, drafts, t_step)
-            if h_prev is None:
-                break
-        d.seq_rm(s.seq_id, r)
-        return drafts if len(drafts) >= self.spec.n_min else []
-
-    def _process(self, s: SeqState, tokens: list[int], p0: int, h_tgt: np.ndarray, n_rows: int) -> None:
-        """Teacher-force every head on ``tokens`` at p0.. with the trunk rows
-        [pending_h, h_tgt[0], .., h_tgt[n-2]] (right-shifted by one), no outputs."""
+    def _draft(self, seqs: list[SeqState]) -> None:
+        """Up to n_plan draft tokens per sequence from the heads (chained, or head 0
+        looped)."""
         d, b = self.draft, self.dbatch
-        b.fill(tokens, p0, s.seq_id, outputs="none")
-        b.embd[0] = s.pending_h
-        b.embd[1:n_rows] = h_tgt[: n_rows - 1]
+        for i in range(self.n_draft):
+            active = self._drafting(seqs, i)
+            if not active:
+                break
+            t_step = time.perf_counter()
+            b.clear()
+            if self.spec.mode == "chain" or i == 0:
+                # chain: head i has no KV past r, it decodes the whole prefix with the
+                # previous heads' output rows as its hidden inputs; single: head 0 starts
+                d.mtp_offset = i if self.spec.mode == "chain" else 0
+                for s in active:
+                    d.seq_rm(s.seq_id, s.pos)
+                    j = b.append([s.id_last, *s.drafts], s.pos, s.seq_id, outputs="last")
+                    b.embd[j] = s.pending_h
+                    b.embd[j + 1 : j + 1 + i] = s.chain_h[:i]
+                    s.row = b.n - 1
+            else:
+                self._grow_single(active, i)
+            self._decode_step(active, i, t_step)
+        for s in seqs:
+            d.seq_rm(s.seq_id, s.pos)
+        self._end_drafts(seqs)
+
+    def _process(self, items: list[tuple[SeqState, list[int], int, np.ndarray]]) -> None:
+        """Teacher-force every head on each item's ``tokens`` at p0.. with the trunk
+        rows [pending_h, h_tgt[0], .., h_tgt[n-2]] (right-shifted by one), no outputs."""
+        d, b = self.draft, self.dbatch
+        b.clear()
+        for s, tokens, p0, h_tgt in items:
+            j = b.append(tokens, p0, s.seq_id, outputs="none")
+            b.embd[j] = s.pending_h
+            b.embd[j + 1 : j + len(tokens)] = h_tgt[: len(tokens) - 1]
+        seqs = [it[0] for it in items]
         for k in self.process_heads:
-            d.seq_rm(s.seq_id, p0)
+            for s, _, p0, _ in items:
+                d.seq_rm(s.seq_id, p0)
             d.mtp_offset = k
-            self._decode(d, b, s)
+            self._decode(d, b, seqs)
 
     # -- the fused schedule --------------------------------------------------------
 
-    def _draft_fused(self, s: SeqState, n_max: int) -> list[int]:
-        """Draft with one decode per head used, each carrying the anchored rows the
-        head has not seen (through id_last@r) and then the chained prefix."""
-        d, b, r = self.draft, self.dbatch, s.pos
-        drafts: list[int] = []
-        h_prev = s.pending_h
-        for i in range(n_max):
-            t_step = time.perf_counter()
-            k = i if self.spec.mode == "chain" else 0
-            if self.spec.mode == "chain" or i == 0:
-                d.mtp_offset = k
-                # rows [kv_valid[k], r]: anchored; the last one is id_last@r with pending_h
-                self._catch_up(s, keep=self.n_chunk - 1 - i, heads=[k])
-                a0 = s.kv_valid[k] - s.anchors.start
-                m = s.anchors.n - a0
-                d.seq_rm(s.seq_id, s.kv_valid[k])
-                b.fill(s.anchors.tok[a0 : a0 + m], s.kv_valid[k], s.seq_id, outputs="none",
-                       embd=s.anchors.h[a0 : a0 + m])
-                # then [d1@r+1, .., di@r+i] with the chained rows out_0 .. out_{i-1}
-                for j in range(i):
-                    b.add(drafts[j], r + 1 + j, s.seq_id)
-                    b.embd[b.n - 1] = self._chain_h[j]
-                b.logits[b.n - 1] = 1
-                s.kv_valid[k] = r + 1
-            else:
-                # single: head 0's own KV holds the round's earlier rows
-                b.fill([drafts[-1]], r + i, s.seq_id, outputs="last", embd=h_prev[None, :])
-            h_prev = self._take_draft(s, i, drafts, t_step)
-            if h_prev is None:
+    def _draft_fused(self, seqs: list[SeqState]) -> None:
+        """Draft with one decode per head used, each carrying, per sequence, the
+        anchored rows the head has not seen (through id_last@r) and then the chained
+        prefix."""
+        d, b = self.draft, self.dbatch
+        for i in range(self.n_draft):
+            active = self._drafting(seqs, i)
+            if not active:
                 break
-            self._chain_h[i] = h_prev
-        s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
-        return drafts if len(drafts) >= self.spec.n_min else []
+            t_step = time.perf_counter()
+            b.clear()
+            if self.spec.mode == "chain" or i == 0:
+                k = i if self.spec.mode == "chain" else 0
+                d.mtp_offset = k
+                for s in active:
+                    # rows [kv_valid[k], r]: anchored; the last one is id_last@r with pending_h
+                    self._catch_up(s, keep=self.n_rows_seq - 1 - i, heads=[k])
+                for s in active:
+                    A = s.anchors
+                    a0 = s.kv_valid[k] - A.start
+                    d.seq_rm(s.seq_id, s.kv_valid[k])
+                    b.append(A.tok[a0 : A.n], s.kv_valid[k], s.seq_id, embd=A.h[a0 : A.n])
+                    # then [d1@r+1, .., di@r+i] with the chained rows out_0 .. out_{i-1}
+                    if i:
+                        b.append(s.drafts, s.pos + 1, s.seq_id, embd=s.chain_h[:i])
+                    s.row = b.n - 1
+                    b.logits[s.row] = 1
+                    s.kv_valid[k] = s.pos + 1
+            else:
+                self._grow_single(active, i)
+            self._decode_step(active, i, t_step)
+        for s in seqs:
+            s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
+        self._end_drafts(seqs)
 
     def _catch_up(self, s: SeqState, keep: int, heads: list[int] | None = None) -> None:
         """Decode, without outputs, the anchored rows of each head beyond the last
-        ``keep`` (whole n_batch chunks), so the next decode fits in a batch."""
+        ``keep`` (whole chunks), so the next shared decode fits in a batch."""
         d, b, A = self.draft, self.dbatch, s.anchors
         for k in self.heads if heads is None else heads:
             while A.end - s.kv_valid[k] > keep:
@@ -456,44 +529,47 @@ class MTPDriver:
                 d.mtp_offset = k
                 d.seq_rm(s.seq_id, s.kv_valid[k])
                 b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], s.seq_id, outputs="none", embd=A.h[a0 : a0 + m])
-                self._decode(d, b, s)
+                self._decode(d, b, [s])
                 s.kv_valid[k] += m
         A.drop_before(min(s.kv_valid[k] for k in self.heads))
 
     # -- shared pieces -------------------------------------------------------------
 
-    @staticmethod
-    def _grow(b: Batch, token: int, pos: int, seq: int, h: np.ndarray) -> None:
-        """Extend the previous draft step's batch by one row, now the only output."""
-        i = b.n
-        b.n = i + 1
-        b.token[i], b.pos[i], b.seq[i] = token, pos, seq
-        b.logits[i - 1], b.logits[i] = 0, 1
-        b.embd[i] = h
+    def _grow_single(self, active: list[SeqState], i: int) -> None:
+        """Single mode after step 0: head 0's own KV holds the round's earlier rows,
+        so each sequence adds just its last draft with the last output row."""
+        for s in active:
+            s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, s.seq_id, outputs="last",
+                                       embd=s.chain_h[i - 1 : i])
 
-    def _take_draft(self, s: SeqState, i: int, drafts: list[int], t_step: float) -> np.ndarray | None:
-        """Decode draft step i's batch and append its token to ``drafts``; returns the
-        step's output hidden row, or None when the token is below p_min."""
-        self._decode(self.draft, self.dbatch, s)
-        tok, p, h = self._pick(s, i, drafts)
+    def _decode_step(self, active: list[SeqState], i: int, t_step: float) -> None:
+        """Run draft step i's decode and take each sequence's draft token."""
+        self._decode(self.draft, self.dbatch, active)
+        for s in active:
+            self._take_draft(s, i)
         self._t_steps.append(time.perf_counter() - t_step)
-        if p < self.spec.p_min:
-            return None
-        self._probs[i] = p
-        drafts.append(tok)
-        return h
 
-    def _pick(self, s: SeqState, i: int, drafts: list[int]) -> tuple[int, float, np.ndarray]:
+    def _take_draft(self, s: SeqState, i: int) -> None:
+        """Take draft token i from the sequence's output row of the last draft
+        decode, unless it is below p_min (which ends the sequence's drafting)."""
+        tok, p, h = self._pick(s, i)
+        if p < self.spec.p_min:
+            return
+        s.probs[i] = p
+        s.drafts.append(tok)
+        s.chain_h[i] = h
+
+    def _pick(self, s: SeqState, i: int) -> tuple[int, float, np.ndarray]:
         """Draft token i from the last decode, its probability, and its hidden row."""
         t0 = time.perf_counter()
-        logits = self.draft.logits(-1)
-        h = self.draft.nextn(1)[0].copy()
+        logits = self.draft.logits(s.row)
+        h = self.draft.nextn_ith(s.row)
         s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
         if s.rejection:
             # drawn from the head's distribution under the request's settings; q kept
             # for verification
-            q = self._q[i]
-            q[:] = s.sampler.dense(logits, s.tokens + drafts if s.sampler.penalizes else s.tokens)
+            q = s.q[i]
+            q[:] = s.sampler.dense(logits, s.tokens + s.drafts if s.sampler.penalizes else s.tokens)
             tok = s.sampler.draw(q)
             return tok, float(q[tok]), h
         if self._need_p:

@@ -105,6 +105,7 @@ struct llama_context * llama_init_from_model(struct llama_model * model, struct 
 void llama_free(struct llama_context * ctx);
 
 uint32_t llama_n_ctx    (const struct llama_context * ctx);
+uint32_t llama_n_ctx_seq(const struct llama_context * ctx);
 uint32_t llama_n_batch  (const struct llama_context * ctx);
 uint32_t llama_n_ubatch (const struct llama_context * ctx);
 uint32_t llama_n_seq_max(const struct llama_context * ctx);

@@ -1,0 +1,319 @@
+"""Slots: several generations decoding together (continuous batching).
+
+Each request gets a slot, i.e. a sequence id in both contexts. ``Slots.step`` is one
+scheduling step: requests waiting for a slot take the free ones, then every slot
+past its prompt runs one MTP round *together* (``MTPDriver.round`` with all of
+them: one target decode and one decode per draft step for all), then one chunk of
+one waiting prompt is decoded, so a long prompt never stalls the running streams
+for more than a chunk. A new request joins between two steps.
+
+Nobody owns a scheduling thread: whichever caller needs progress takes the engine's
+lock and steps for everyone (``Engine.stream`` does), so several threads calling
+the engine at once are batched together, and a single caller is just a loop.
+"""
+from __future__ import annotations
+
+import codecs
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Sequence
+
+from .llama import LlamaError
+from .mtp import MTPDriver, RoundTrace, SeqState
+from .sampling import Sampler, SamplingParams
+from .stats import GenStats
+
+if TYPE_CHECKING:
+    from .llama import Model
+
+__all__ = ["Chunk", "Completion", "Request", "Slots", "StopType"]
+
+log = logging.getLogger("stepmtp")
+
+StopType = Literal["none", "eos", "word", "limit"]
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output: text now safe to show and the tokens behind it."""
+
+    text: str
+    tokens: list[int]
+    #: set on the last chunk only
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    """The result of a generation."""
+
+    text: str
+    tokens: list[int]
+    #: "stop" (end of generation or a stop string) or "length" (n_predict or context)
+    finish_reason: str
+    #: llama-server's stop_type: "eos", "word", "limit"
+    stop_type: StopType
+    stopping_word: str = ""
+    prompt_tokens: list[int] = field(default_factory=list)
+    stats: GenStats = field(default_factory=GenStats)
+    #: debug mode only: what each round drafted and accepted
+    trace: list[RoundTrace] | None = None
+
+
+class TextAssembler:
+    """Turns a token stream into text, holding back what may become a stop string
+    and bytes that do not yet form a whole UTF-8 character."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.text = ""
+        self.sent = 0
+        self.stopping_word = ""
+
+    def push(self, piece: bytes) -> bool:
+        """Add a token's bytes; True when a stop string has appeared (text cut before it)."""
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        self.text += self.decoder.decode(piece)
+        for s in self.stop:
+            j = self.text.find(s, start)
+            if j >= 0:
+                self.text = self.text[:j]
+                self.stopping_word = s
+                return True
+        return False
+
+    def take(self, final: bool = False) -> str:
+        """Text that can be sent now (all of it when final)."""
+        if final:
+            self.text += self.decoder.decode(b"", final=True)
+            end = len(self.text)
+        else:
+            end = len(self.text) - self._held()
+        out = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def _held(self) -> int:
+        # the longest tail of the text that is a proper prefix of a stop string
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+_task_ids = itertools.count()
+
+
+class Request:
+    """One generation: its sequence state, its text so far, and the chunks produced
+    and not yet taken by its consumer (appended by whichever thread steps)."""
+
+    def __init__(self, prompt_tokens: list[int], n_predict: int, stop: Sequence[str],
+                 params: SamplingParams, rejection: bool) -> None:
+        self.id = next(_task_ids)
+        self.prompt_tokens = prompt_tokens
+        self.n_predict = n_predict
+        self.params = params
+        self.state = SeqState(seq_id=-1, sampler=Sampler(params), rejection=rejection)
+        self.asm = TextAssembler(stop)
+        self.out_tokens: list[int] = []
+        self.stop_type: StopType = "none"
+        self.finish = "length"
+        self.chunks: deque[Chunk] = deque()
+        self.completion: Completion | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.slot = -1
+        self._t_gen = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.completion is not None or self.error is not None
+
+    @property
+    def n_decoded(self) -> int:
+        return len(self.out_tokens)
+
+    def feed(self, tokens: list[int], model: "Model", n_ctx_seq: int) -> None:
+        """Take the tokens a round produced: stop at an end-of-generation token, a
+        stop string, n_predict or a full context; queue the text that is safe to send."""
+        if not self._t_gen:
+            self._t_gen = time.perf_counter()
+        unsent: list[int] = []
+        for tok in tokens:
+            if model.is_eog(tok):
+                self.stop_type, self.finish = "eos", "stop"
+                break
+            self.out_tokens.append(tok)
+            if self.asm.push(model.token_to_piece(tok)):
+                self.stop_type, self.finish, unsent = "word", "stop", [tok]
+                break
+            if 0 < self.n_predict <= len(self.out_tokens):
+                self.stop_type, self.finish, unsent = "limit", "length", [tok]
+                break
+            self.chunks.append(Chunk(self.asm.take(), [tok]))
+        else:
+            if self.state.pos >= n_ctx_seq:  # no room to decode id_last: the context is full
+                self.stop_type, self.finish = "limit", "length"
+        if self.stop_type != "none":
+            self._finish(unsent)
+
+    def _finish(self, unsent: list[int]) -> None:
+        st = self.state.stats
+        if self._t_gen:
+            st.t_gen_ms += (time.perf_counter() - self._t_gen) * 1e3
+        st.n_predicted = len(self.out_tokens) + (self.stop_type == "eos")
+        self.chunks.append(Chunk(self.asm.take(final=True), unsent, finish_reason=self.finish))
+        self.completion = Completion(
+            text=self.asm.text,
+            tokens=self.out_tokens,
+            finish_reason=self.finish,
+            stop_type=self.stop_type,
+            stopping_word=self.asm.stopping_word,
+            prompt_tokens=self.prompt_tokens,
+            stats=st,
+            trace=self.state.trace,
+        )
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self.error = error
+
+
+class Slots:
+    """``n`` slots over one driver; see the module's docstring. ``step`` must be
+    called with the engine's lock held; ``submit`` and ``cancel`` from any thread."""
+
+    def __init__(self, driver: MTPDriver, model: "Model", n: int) -> None:
+        self.driver = driver
+        self.model = model
+        self.n = n
+        self.slots: list[Request | None] = [None] * n
+        self.waiting: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self._next_prefill = 0
+        #: what each slot served last (for /slots after a request ends)
+        self.last: list[Request | None] = [None] * n
+
+    # -- from any thread ------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        if req.n_predict == 0:
+            req.state.stats.n_prompt = len(req.prompt_tokens)
+            req.stop_type = "limit"
+            req._finish([])
+            return
+        with self._lock:
+            self.waiting.append(req)
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request; its slot is freed at the next step (or now, if idle)."""
+        req.cancelled = True
+
+    @property
+    def n_busy(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and self.n_busy == 0
+
+    # -- stepping (engine lock held) ------------------------------------------------
+
+    def step(self) -> None:
+        """One scheduling step: admit, one round for every generating slot, one
+        prompt chunk."""
+        self._release_finished()
+        self._admit()
+        drv = self.driver
+        running = [r for r in self.slots if r is not None and not r.state.prefilling]
+        if running:
+            states = [r.state for r in running]
+            try:
+                outs = drv.round(states)
+            except LlamaError as e:
+                # a round is shared: what failed it (no KV room left, a backend error)
+                # fails its members; the slots are freed and the engine stays usable
+                for r in running:
+                    r.fail(e)
+            else:
+                for r, out in zip(running, outs):
+                    r.feed(out, self.model, drv.n_ctx_seq)
+        prefilling = [r for r in self.slots if r is not None and r.state.prefilling]
+        if prefilling:
+            r = prefilling[self._next_prefill % len(prefilling)]
+            self._next_prefill += 1
+            try:
+                if drv.prefill(r.state):
+                    r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
+            except LlamaError as e:
+                r.fail(e)
+        self._release_finished()
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self.waiting:
+                if self.waiting[0].cancelled:
+                    self.waiting.popleft().fail(_cancelled())
+                    continue
+                try:
+                    slot = self.slots.index(None)
+                except ValueError:
+                    return
+                req = self.waiting.popleft()
+                req.slot = slot
+                req.state.seq_id = slot
+                try:
+                    self.driver.start(req.state, req.prompt_tokens)
+                except (ValueError, LlamaError) as e:
+                    req.fail(e)
+                    continue
+                self.slots[slot] = req
+                self.last[slot] = req
+
+    def _release_finished(self) -> None:
+        for i, r in enumerate(self.slots):
+            if r is None:
+                continue
+            if r.cancelled and not r.done:
+                r.fail(_cancelled())
+            if r.done:
+                self.slots[i] = None
+                # the KV goes now: with a shared (unified) cache the others need the room
+                self.driver.target.seq_rm(i)
+                if self.driver.draft is not None:
+                    self.driver.draft.seq_rm(i)
+
+    def drop(self, req: Request) -> None:
+        """Cancel ``req`` and free what it holds now (its consumer went away)."""
+        req.cancelled = True
+        with self._lock:
+            if req in self.waiting:
+                self.waiting.remove(req)
+                req.fail(_cancelled())
+        self._release_finished()
+
+    def abort_all(self, error: BaseException) -> None:
+        for r in self.slots:
+            if r is not None:
+                r.fail(error)
+        with self._lock:
+            while self.waiting:
+                self.waiting.popleft().fail(error)
+        self._release_finished()
+
+
+class Cancelled(Exception):
+    """The request was cancelled before it finished."""
+
+
+def _cancelled() -> Cancelled:
+    return Cancelled("cancelled")

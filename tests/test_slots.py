@@ -1,0 +1,211 @@
+"""Slots: several generations batched into the same decodes.
+
+The bar is that batching changes nothing a sequence can see: at temperature 0 each
+sequence's tokens, and its drafted / accepted counts per depth, equal what it
+produces alone. (They are bit-identical here: the tiny models' batched kernels give
+the same logits; a model where batched matmuls round differently could flip a
+near-tie, which these tests would catch.)
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from stepmtp import Engine
+from stepmtp.slots import Request
+from stepmtp.sampling import SamplingParams
+
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def push(self, x):\n",
+    "# a comment\n",
+    "def fib(n):\n    if n < 2:\n        return n\n",
+    "x = [i * i for i in range(10)]\n",
+]
+N = 40
+
+
+def _alone(path, prompts, n_predict=N, **kw):
+    with Engine(path, n_ctx=512, **kw) as eng:
+        return [eng.generate(p, n_predict=n_predict, temperature=0) for p in prompts]
+
+
+def _same(a, b):
+    assert a.tokens == b.tokens
+    assert a.stats.drafted_per_depth == b.stats.drafted_per_depth
+    assert a.stats.accepted_per_depth == b.stats.accepted_per_depth
+    assert a.finish_reason == b.finish_reason
+
+
+@pytest.fixture(scope="module")
+def agree(tmp_path_factory):
+    from stepmtp.tiny import write_agree_model
+
+    return write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+
+
+@pytest.mark.parametrize("mode,n_max,schedule", [("chain", 3, "fused"), ("chain", 2, "fused"),
+                                                 ("chain", 3, "reference"), ("single", 3, "fused"),
+                                                 ("single", 2, "reference"), ("none", 0, "fused")])
+@pytest.mark.parametrize("files", ["embedded", "split"])
+def test_batched_equals_alone(tiny, mode, n_max, schedule, files):
+    kw = dict(mode=mode, n_max=n_max, schedule=schedule)
+    if files == "split":
+        path, kw["mtp_model"] = tiny["trunk"], tiny["mtp"]
+    else:
+        path = tiny["embedded"]
+    alone = _alone(path, PROMPTS, **kw)
+    # five prompts on four slots: the fifth joins when the first one leaves
+    with Engine(path, n_ctx=4 * 512, n_parallel=4, debug=True, **kw) as eng:
+        got = eng.generate_many(PROMPTS, n_predict=N, temperature=0)
+        assert eng.n_ctx == 512  # -c split between the slots
+    for a, b in zip(got, alone):
+        _same(a, b)
+
+
+def test_different_lengths_and_early_stops_in_one_round(tiny):
+    """p-min stops some sequences' drafting early while others go on, lengths and
+    stop strings end them at different rounds: each still equals its run alone.
+    (The random tiny model: its heads' probabilities spread around p-min.)"""
+    kw = dict(mode="chain", n_max=3, p_min=0.3)
+    agree = tiny["embedded"]
+    lengths = [5, 40, 17, 64, 1]
+    with Engine(agree, n_ctx=512, **kw) as eng:
+        alone = [eng.generate(p, n_predict=n, temperature=0, stop=["\n\n"]) for p, n in zip(PROMPTS, lengths)]
+    with Engine(agree, n_ctx=3 * 512, n_parallel=3, **kw) as eng:
+        reqs = [eng._request(p, n, ["\n\n"], None, {"temperature": 0}) for p, n in zip(PROMPTS, lengths)]
+        for r in reqs:
+            eng.slots.submit(r)
+        widths = []
+        with eng._lock:
+            while not all(r.done for r in reqs):
+                running = [r for r in eng.slots.slots if r is not None and not r.state.prefilling]
+                eng.slots.step()
+                if len(running) > 1:
+                    widths.append(sorted(len(r.state.drafts) for r in running))
+    for r, a in zip(reqs, alone):
+        _same(r.completion, a)
+    # rounds where the sequences drafted different lengths: p-min at work inside a batch
+    assert any(w[0] != w[-1] for w in widths)
+    assert max(len(w) for w in widths) == 3
+
+
+def test_threads_share_rounds(agree):
+    """Four threads calling stream() at once are batched together."""
+    kw = dict(mode="chain", n_max=3)
+    alone = _alone(agree, PROMPTS[:4], n_predict=64, **kw)
+    with Engine(agree, n_ctx=4 * 512, n_parallel=4, **kw) as eng:
+        widest = [0]
+        step = eng.slots.step
+
+        def counting_step():
+            widest[0] = max(widest[0], eng.slots.n_busy)
+            step()
+
+        eng.slots.step = counting_step
+        out: dict[int, object] = {}
+        texts: dict[int, str] = {}
+        barrier = threading.Barrier(4)
+
+        def run(i):
+            barrier.wait()
+            gen = eng.stream(PROMPTS[i], n_predict=64, temperature=0)
+            parts = []
+            while True:
+                try:
+                    parts.append(next(gen).text)
+                except StopIteration as done:
+                    out[i] = done.value
+                    break
+            texts[i] = "".join(parts)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    for i in range(4):
+        _same(out[i], alone[i])
+        assert texts[i] == alone[i].text
+    assert widest[0] >= 3
+
+
+def test_long_prompt_is_interleaved_with_running_streams(agree):
+    """A prompt of several chunks joins while another sequence generates: the running
+    one keeps getting tokens between the chunks, and both equal their runs alone."""
+    kw = dict(mode="chain", n_max=3, n_batch=64, n_ubatch=64)
+    long_prompt = "".join(f"value_{i} = compute({i}, {i * 7})\n" for i in range(40))
+    with Engine(agree, n_ctx=1024, **kw) as eng:
+        want_a = eng.generate(PROMPTS[0], n_predict=80, temperature=0)
+        want_b = eng.generate(long_prompt, n_predict=20, temperature=0)
+        n_long = len(eng.tokenize(long_prompt))
+    assert n_long > 3 * 64
+    with Engine(agree, n_ctx=2 * 1024, n_parallel=2, **kw) as eng:
+        a = eng._request(PROMPTS[0], 80, [], None, {"temperature": 0})
+        b = eng._request(long_prompt, 20, [], None, {"temperature": 0})
+        with eng._lock:
+            eng.slots.submit(a)
+            while a.n_decoded < 5:
+                eng.slots.step()
+            eng.slots.submit(b)
+            progress = []
+            while b.state.n_prefilled < n_long or b.state.prefilling:
+                before = a.n_decoded
+                eng.slots.step()
+                progress.append(a.n_decoded - before)
+            while not (a.done and b.done):
+                eng.slots.step()
+    assert len(progress) >= 3 and all(p > 0 for p in progress[:3])
+    _same(a.completion, want_a)
+    _same(b.completion, want_b)
+
+
+def test_cancel_frees_the_slot(agree):
+    kw = dict(mode="chain", n_max=3)
+    alone = _alone(agree, PROMPTS[:2], **kw)
+    with Engine(agree, n_ctx=2 * 512, n_parallel=2, **kw) as eng:
+        gen = eng.stream(PROMPTS[3], n_predict=200, temperature=0)
+        next(gen)
+        next(gen)
+        assert eng.slots.n_busy == 1
+        gen.close()  # the consumer goes away: its slot is free again
+        assert eng.slots.n_busy == 0
+        got = eng.generate_many(PROMPTS[:2], n_predict=N, temperature=0)
+    for a, b in zip(got, alone):
+        _same(a, b)
+
+
+def test_seeded_sampling_is_the_same_batched(agree):
+    params = SamplingParams(temperature=0.8, top_k=20, seed=7)
+    kw = dict(mode="chain", n_max=3)
+    with Engine(agree, n_ctx=512, **kw) as eng:
+        alone = [eng.generate(p, n_predict=N, sampling=params) for p in PROMPTS[:3]]
+    with Engine(agree, n_ctx=3 * 512, n_parallel=3, **kw) as eng:
+        got = eng.generate_many(PROMPTS[:3], n_predict=N, sampling=params)
+    for a, b in zip(got, alone):
+        assert a.tokens == b.tokens
+
+
+def test_per_slot_context_and_bad_requests(agree):
+    with Engine(agree, n_ctx=2 * 256, n_parallel=2, mode="chain") as eng:
+        assert eng.n_ctx == 256
+        with pytest.raises(ValueError, match="does not fit"):
+            eng.generate([5] * 300, n_predict=4)
+        # the engine and its other slot keep working
+        ok = eng.generate_many([PROMPTS[0], PROMPTS[1]], n_predict=8, temperature=0)
+        assert all(len(c.tokens) == 8 for c in ok)
+        # a sequence that fills its share stops with "length", the other is unaffected
+        long = eng.generate_many([[5] * 240, PROMPTS[1]], n_predict=100, temperature=0)
+        assert long[0].finish_reason == "length" and len(long[0].tokens) == 256 - 240 + 1
+        assert len(long[1].tokens) == 100
+    with Engine(agree, n_ctx=2 * 256, n_parallel=2, kv_unified=True, mode="chain") as eng:
+        assert eng.n_ctx == 512  # a shared cache: each slot may use all of it
+    with pytest.raises(ValueError, match="n_parallel"):
+        Engine(agree, n_parallel=0)
+
+
+def test_request_ids_are_distinct():
+    a = Request([1], 1, [], SamplingParams(), False)
+    b = Request([1], 1, [], SamplingParams(), False)
+    assert a.id != b.id
