@@ -155,7 +155,7 @@ def test_default_model_and_single_mode(tmp_path):
     agree = write_agree_model(tmp_path / "again", seed=0)[0]
     with Engine(agree, mode="single", n_max=2, n_ctx=512, n_threads=1) as eng:
         assert body["content"] == eng.generate(PROMPT, n_predict=24, temperature=0).text
-    assert "no -m given" in log and "-np 3 accepted" in log and "queued" in log
+    assert "no -m given" in log and "slots: 3, decoded together" in log
 
 
 def test_a_model_that_does_not_load_exits_non_zero(tmp_path):

@@ -120,11 +120,8 @@ class ServerState:
                 log.info("speculation: none (--spec-type draft-mtp to draft with the MTP heads)")
             log.info("context: n_ctx %d, n_batch %d, n_ubatch %d", engine.n_ctx, engine.target.n_batch,
                      engine.target.n_ubatch)
-            if cfg.n_parallel > 1:
-                log.info("slots: -np %d accepted, but the engine serves one sequence at a time: "
-                         "requests are queued and run one after another", cfg.n_parallel)
-            else:
-                log.info("slots: 1; further requests are queued")
+            log.info("slots: %d, decoded together; n_ctx per slot %d (%s KV cache)", engine.n_parallel,
+                     engine.n_ctx, "unified" if engine.target.kv_unified else "split")
             self.worker = Worker(engine, on_done=self._on_done)
             self.ready.set()
             log.info("server is listening on http://%s:%d - ready", _host_for_url(cfg.host), cfg.port)
@@ -306,7 +303,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             "model_path": str(st.model_path),
             "modalities": {"vision": False, "video": False, "audio": False},
             "media_marker": "<__media__>",
-            "endpoint_slots": False,
+            "endpoint_slots": cfg.endpoint_slots,
             "endpoint_props": False,
             "endpoint_metrics": True,
             "ui": False,
@@ -329,9 +326,44 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 "n_min": cfg.n_min,
                 "p_min": cfg.p_min,
                 "n_parallel": cfg.n_parallel,
-                "concurrent_sequences": 1,
+                "concurrent_sequences": eng.n_parallel,
             },
         }
+
+    @app.get("/slots", tags=["server"], summary="Each slot's state, as llama-server's")
+    async def slots(fail_on_no_slot: int = 0) -> Any:
+        if not cfg.endpoint_slots:
+            raise APIError("This server does not support slots endpoint. Start it with `--slots`",
+                           "not_supported_error")
+        eng = st.need_engine()
+        out = []
+        sl = eng.slots
+        for i in range(sl.n):
+            req = sl.slots[i] or sl.last[i]
+            item: dict[str, Any] = {"id": i, "n_ctx": eng.n_ctx, "speculative": st.n_draft > 0,
+                                    "is_processing": sl.slots[i] is not None}
+            if req is not None:
+                settings = F.Settings(sampling=req.params, seed=cfg.seed_u32 if req.params.seed is None
+                                      else req.params.seed, n_predict=req.n_predict, stop=list(req.asm.stop),
+                                      stream=False)
+                n_remain = -1 if req.n_predict < 0 else max(0, req.n_predict - req.n_decoded)
+                item.update({
+                    "id_task": req.id,
+                    "n_prompt_tokens": len(req.prompt_tokens),
+                    "n_prompt_tokens_processed": req.state.n_prefilled,
+                    "n_prompt_tokens_cache": 0,
+                    "params": F.generation_settings(settings),
+                    "next_token": [{"has_next_token": not req.done, "has_new_line": "\n" in req.asm.text,
+                                    "n_remain": n_remain, "n_decoded": req.n_decoded}],
+                    "prompt": eng.detokenize(req.prompt_tokens),
+                    "generated": req.asm.text,
+                    "stepmtp": {"drafted": req.state.stats.n_drafted, "accepted": req.state.stats.n_accepted,
+                                "rounds": req.state.stats.n_rounds},
+                })
+            out.append(item)
+        if fail_on_no_slot and all(x["is_processing"] for x in out):
+            raise APIError("no slot available", "unavailable_error")
+        return out
 
     @app.get("/models", tags=["openai"], summary="The model served (llama-server's and OpenAI's list)")
     @app.get("/v1/models", tags=["openai"], summary="The model served (OpenAI's list)")
@@ -370,7 +402,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
              summary="Prometheus metrics (llama-server's, plus the MTP heads' per depth)")
     async def metrics() -> Response:
         w = st.worker
-        text = st.metrics.render(processing=int(w.busy) if w else 0, deferred=w.n_waiting if w else 0)
+        text = st.metrics.render(processing=w.n_running if w else 0, deferred=w.n_waiting if w else 0)
         return Response(text, media_type="text/plain; version=0.0.4",
                         headers={"Process-Start-Time-Unix": str(st.metrics.t_start)})
 

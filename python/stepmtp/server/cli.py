@@ -169,7 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "-c", "--ctx-size", metavar="N", dest="ctx_size", type=_int, default=0, env="LLAMA_ARG_CTX_SIZE",
         help="context size (default: 0, the model's)")
     add(g, "-np", "--parallel", metavar="N", dest="parallel", type=_int, default=-1, env="LLAMA_ARG_N_PARALLEL",
-        help="server slots (default: -1, auto). One sequence is generated at a time: more requests are queued")
+        help="server slots: generations decoded together, batched (default: -1, auto: 4 slots and a unified KV "
+             "cache, as llama-server)")
+    add(g, "-kvu", "--kv-unified", dest="kv_unified", action="store_const", const=True, default=None,
+        env="LLAMA_ARG_KV_UNIFIED", help="one KV cache shared by all slots, each may use all of -c "
+                                         "(default: on when -np is auto)")
+    add(g, "-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_const", const=False,
+        help="split -c evenly between the slots")
     add(g, "-b", "--batch-size", metavar="N", dest="batch_size", type=_int, default=2048, env="LLAMA_ARG_BATCH",
         help="logical maximum batch size (default: 2048)")
     add(g, "-ub", "--ubatch-size", metavar="N", dest="ubatch_size", type=_int, default=512, env="LLAMA_ARG_UBATCH",
@@ -221,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("accepted for compatibility (no effect here)")
     add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
     add(g, "--jinja", dest="_jinja", action="store_true", help="the chat template is always rendered with jinja")
+    add(g, "--slots", dest="endpoint_slots", action="store_const", const=True, default=True,
+        env="LLAMA_ARG_ENDPOINT_SLOTS", help="expose the slots monitoring endpoint (default: enabled)")
+    add(g, "--no-slots", dest="endpoint_slots", action="store_const", const=False,
+        help="disable the slots monitoring endpoint")
     add(g, "--no-webui", dest="_no_webui", action="store_true", help="there is no web UI")
     add(g, "-cb", "--cont-batching", dest="_cb", action="store_true", help="one sequence at a time anyway")
     return ap
@@ -319,6 +329,8 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         n_batch=a.batch_size,
         n_ubatch=a.ubatch_size,
         n_parallel=a.parallel,
+        kv_unified=a.kv_unified,
+        endpoint_slots=a.endpoint_slots,
         n_threads=threads(a.threads),
         n_threads_batch=threads(a.threads_batch),
         n_gpu_layers=a.ngl,

@@ -51,8 +51,12 @@ class ServerConfig:
     n_ctx: int = 0
     n_batch: int = 2048
     n_ubatch: int = 512
-    #: -np as given (-1: auto); requests are served one at a time whatever it is
+    #: -np as given (-1: auto: 4 slots sharing a unified KV cache, as llama-server)
     n_parallel: int = -1
+    #: -kvu / -no-kvu; None: unified when -np is auto or 1
+    kv_unified: bool | None = None
+    #: --slots / --no-slots: the /slots endpoint
+    endpoint_slots: bool = True
     n_threads: int | None = None
     n_threads_batch: int | None = None
     n_gpu_layers: int | str = "auto"
@@ -85,9 +89,14 @@ class ServerConfig:
 
     @property
     def total_slots(self) -> int:
-        """Slots as llama-server would count them (-np, auto: 1 here since one
-        sequence is served at a time)."""
-        return self.n_parallel if self.n_parallel > 0 else 1
+        """Slots, as llama-server counts them (-np; auto: 4)."""
+        return self.n_parallel if self.n_parallel > 0 else 4
+
+    @property
+    def unified_kv(self) -> bool:
+        if self.kv_unified is not None:
+            return self.kv_unified
+        return self.n_parallel <= 1
 
     @property
     def seed_u32(self) -> int:
@@ -125,6 +134,8 @@ class ServerConfig:
             n_gpu_layers=self.n_gpu_layers,
             n_gpu_layers_draft=self.n_gpu_layers_draft,
             rpc=self.rpc or None,
+            n_parallel=self.total_slots,
+            kv_unified=self.unified_kv,
             seed=self.seed if 0 <= self.seed < DEFAULT_SEED else -1,
             flash_attn=self.flash_attn,
         )

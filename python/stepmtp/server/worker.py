@@ -1,10 +1,11 @@
-"""The generation thread: one engine, one request at a time, off the event loop.
+"""The generation threads: one per slot of the engine, off the event loop.
 
-Requests become ``Job``s in a FIFO queue. The worker thread runs each job's
-``Engine.stream`` generator and hands what it yields to the event loop through a
-``Channel``; a job cancelled by its client (``Job.cancel``, e.g. on a disconnect)
-is stopped at its next token and its generator is closed right there, in the
-worker thread, so the engine's lock is released before the next job starts
+Requests become ``Job``s in a FIFO queue. Each of the ``engine.n_parallel`` worker
+threads takes a job and runs its ``Engine.stream`` generator, handing what it
+yields to the event loop through a ``Channel``; the engine batches the threads'
+generations into the same decodes (``stepmtp.slots``). A job cancelled by its
+client (``Job.cancel``, e.g. on a disconnect) is stopped at its next token and its
+generator is closed right there, in its worker thread, so its slot is freed at once
 (never left to the garbage collector).
 """
 from __future__ import annotations
@@ -105,7 +106,8 @@ class Job:
 
 
 class Worker:
-    """Runs jobs on ``engine`` in a dedicated thread, in the order submitted.
+    """Runs jobs on ``engine`` in ``engine.n_parallel`` threads, started in the order
+    submitted.
 
     ``on_done(job, completion_or_None, error_or_None, tokens_seen)`` runs in the
     worker thread after every job that started (metrics hook).
@@ -117,18 +119,25 @@ class Worker:
         self.on_done = on_done
         self.on_start = on_start
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self.current: Job | None = None
-        self._thread = threading.Thread(target=self._loop, name="stepmtp-generate", daemon=True)
+        self.running: dict[int, Job] = {}
         self._stopping = False
-        self._thread.start()
+        n = getattr(engine, "n_parallel", 1)
+        self._threads = [threading.Thread(target=self._loop, name=f"stepmtp-slot-{i}", daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
 
     @property
     def n_waiting(self) -> int:
         return self._jobs.qsize()
 
     @property
+    def n_running(self) -> int:
+        return len(self.running)
+
+    @property
     def busy(self) -> bool:
-        return self.current is not None
+        return bool(self.running)
 
     def submit(self, job: Job) -> None:
         if self._stopping:
@@ -146,16 +155,18 @@ class Worker:
             if job is not None:
                 job.cancel()
                 job.channel.put("error", Cancelled(reason))
-        cur = self.current
-        if cur is not None:
+        for cur in list(self.running.values()):
             cur.cancel()
 
     def stop(self, timeout: float = 10.0) -> bool:
-        """``cancel_all``, then end the thread; True when it ended."""
+        """``cancel_all``, then end the threads; True when they ended."""
         self.cancel_all()
-        self._jobs.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        for _ in self._threads:
+            self._jobs.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     # -- the thread -------------------------------------------------------------
 
@@ -167,11 +178,11 @@ class Worker:
             if job.cancelled.is_set():
                 job.channel.put("error", Cancelled("cancelled while queued"))
                 continue
-            self.current = job
+            self.running[job.id] = job
             try:
                 self._run(job)
             finally:
-                self.current = None
+                self.running.pop(job.id, None)
 
     def _run(self, job: Job) -> None:
         req = job.request
