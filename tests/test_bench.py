@@ -219,6 +219,24 @@ def test_cli_outputs(agree, tmp_path, capsys):
         assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("server", [False, True])
+def test_cli_parallel(agree, tmp_path, capsys, server):
+    """--parallel 3: each configuration on 1 slot with 1 client and on 3 slots with 3
+    clients, same texts, in-process or through the server."""
+    js = tmp_path / "par.json"
+    rc = bench_main(["-m", str(agree), "--configs", "none,chain-3", "--limit", "4", "-n", "12", "-t", "1",
+                     "--parallel", "3", "--json", str(js), "--no-progress", *(["--server"] if server else [])])
+    assert rc == 0
+    pre = "srv-" if server else ""
+    assert f"| {pre}chain-3 | 3 | 4 | 48 |" in capsys.readouterr().out
+    doc = json.loads(js.read_text())
+    runs = {(r["config"].removeprefix(pre), r["clients"]): r for r in doc["runs"]}
+    assert set(runs) == {("none", 1), ("none", 3), ("chain-3", 1), ("chain-3", 3)}
+    assert runs[("chain-3", 3)]["accept_rate"] == runs[("chain-3", 1)]["accept_rate"] > 0
+    assert all(r["tok_s"] > 0 for r in runs.values())
+    assert bench_main(["-m", str(agree), "--parallel", "1"]) == 2
+
+
 # -- the widened model -------------------------------------------------------------------
 
 

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--configs", default=None,
                    help="comma-separated configurations, e.g. none,single-2,chain-3,chain-3-ref,cpp-single-2")
     g = ap.add_argument_group("run")
+    g.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="throughput of N concurrent clients on N slots against 1 client on 1 slot, per "
+                        "configuration, in the same run (in-process, or servers with --server)")
     g.add_argument("--repeat", type=int, default=None, help="run each prompt N times and keep the best times (default 1)")
     g.add_argument("--warmup", type=int, default=None, help="short warm-up requests per configuration (default 1)")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all usable)")
@@ -226,18 +229,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if llama_server is None:
             ap.error("a cpp-* configuration needs --llama-server PATH")
 
+    if args.parallel is not None:
+        return _parallel(args, s, cfgs, prompts, progress)
+
     runners: list[Runner] = []
     model_info: dict[str, Any] = {}
     if args.url:
         runners = [URLRunner(args.url, api_key=args.api_key)]
         model_info = {"name": args.url}
     else:
-        try:
-            path = resolve_model(s["model"])
-            if s["bench_model_mb"]:
-                path = bench_model(path, s["bench_model_mb"], quiet=not progress)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"{PROG}: {e}", file=sys.stderr)
+        path = _model_path(s, progress)
+        if path is None:
             return 2
         model_info = _model_info(s["model"], path, s["bench_model_mb"])
         for c in cfgs:
@@ -267,6 +269,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.model = model_info
     run.environment = R.environment(s["threads"])
     return report(run, args, baseline)
+
+
+def _model_path(s: dict[str, Any], progress: bool) -> Path | None:
+    """The model file to run (widened when asked); None after saying why not."""
+    try:
+        path = resolve_model(s["model"])
+        if s["bench_model_mb"]:
+            path = bench_model(path, s["bench_model_mb"], quiet=not progress)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return None
+    return path
+
+
+def _parallel(args: argparse.Namespace, s: dict[str, Any], cfgs: list[BenchConfig], prompts: Any,
+              progress: bool) -> int:
+    from . import parallel as P
+
+    if args.parallel < 2:
+        print(f"{PROG}: --parallel needs N >= 2", file=sys.stderr)
+        return 2
+    if args.url or args.baseline or any(c.backend == "llama-server" for c in cfgs):
+        print(f"{PROG}: --parallel runs stepmtp engines or servers (no --url, --baseline or cpp-* configurations)",
+              file=sys.stderr)
+        return 2
+    path = _model_path(s, progress)
+    if path is None:
+        return 2
+    try:
+        runs = P.run_parallel(list(prompts.prompts), cfgs, path, args.parallel, mtp_model=args.mtp_model,
+                              n_ctx=s["ctx_size"], n_threads=s["threads"], repeat=s["repeat"],
+                              server=args.server, progress=progress)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
+        return 130
+    md = P.markdown(runs)
+    print(md)
+    doc = {"parallel": args.parallel, "model": _model_info(s["model"], path, s["bench_model_mb"]),
+           "settings": {k: s[k] for k in ("ctx_size", "threads", "repeat", "n_predict", "limit")},
+           "backend": "server" if args.server else "engine", "runs": [r.to_dict() for r in runs]}
+    if args.json:
+        text = json.dumps(doc, indent=2) + "\n"
+        sys.stdout.write(text) if args.json == "-" else Path(args.json).write_text(text)
+    if args.markdown:
+        Path(args.markdown).write_text(md)
+    bad = P.same_texts(runs)
+    if bad:
+        print(f"{PROG}: outputs differ between 1 and {args.parallel} clients for {', '.join(bad)}", file=sys.stderr)
+        return 3
+    return 0
 
 
 def report(run: BenchRun, args: argparse.Namespace, baseline: dict[str, Any] | None) -> int:

@@ -464,7 +464,7 @@ class ServerRunner(URLRunner):
 
     def __init__(self, config: BenchConfig, model: str | Path, *, mtp_model: str | Path | None = None,
                  n_ctx: int = 2048, n_threads: int | None = None, llama_server: str | Path | None = None,
-                 startup_timeout: float = 600.0, timeout: float = 600.0) -> None:
+                 startup_timeout: float = 600.0, timeout: float = 600.0, n_parallel: int = 1) -> None:
         super().__init__("http://127.0.0.1:0", config, timeout=timeout)
         if config.backend == "llama-server":
             exe = llama_server or find_llama_server()
@@ -474,7 +474,7 @@ class ServerRunner(URLRunner):
             argv = [str(exe)]
         else:
             argv = [sys.executable, "-m", "stepmtp.server"]
-        argv += ["-m", str(model), "-c", str(n_ctx), "-np", "1", "--temp", "0"]
+        argv += ["-m", str(model), "-c", str(n_ctx), "-np", str(n_parallel), "--temp", "0"]
         if n_threads:
             argv += ["-t", str(n_threads)]
         if config.mode != "none":
