@@ -88,6 +88,35 @@ def test_config_specs():
         BenchConfig.parse("cpp-chain-3")  # the C++ server does not chain
     with pytest.raises(ValueError):
         parse_configs("none,none")
+    sampled = parse_configs("none-t0.7,chain-3-t0.7-exact,chain-3-t0.7-rej,chain-2-adapt,srv-chain-3-adapt-t1-rej")
+    assert [c.label for c in sampled] == ["none-t0.7", "chain-3-t0.7-exact", "chain-3-t0.7-rej", "chain-2-adapt",
+                                          "srv-chain-3-adapt-t1-rej"]
+    assert sampled[2].verify == "rejection" and sampled[2].temperature == 0.7 and sampled[3].adaptive
+    # sampled configurations are compared with no speculation at their own temperature
+    assert sampled[0].family == sampled[1].family != parse_configs("none")[0].family
+    for bad in ("cpp-single-3-rej", "chain-3-t9", "chain-3-fast"):
+        with pytest.raises(ValueError):
+            BenchConfig.parse(bad)
+
+
+def test_cli_compare_verify_and_adaptive(tmp_path, capsys):
+    """--compare verify samples at three temperatures with both verifiers on the random
+    tiny model (heads that disagree, so the verifiers differ); --compare adaptive runs
+    the adaptive length next to every fixed n-max, with identical greedy texts."""
+    from stepmtp.tiny import write_tiny_models
+
+    model = write_tiny_models(tmp_path / "tiny", seed=0)["embedded"]
+    js = tmp_path / "v.json"
+    assert bench_main(["-m", str(model), "--compare", "verify", "--limit", "2", "-n", "24", "-t", "1", "-q",
+                       "--json", str(js)]) == 0
+    doc = json.loads(js.read_text())
+    labels = [c["label"] for c in doc["configs"]]
+    assert labels == ["none-t0.3", "chain-3-t0.3-exact", "chain-3-t0.3-rej", "none-t0.7", "chain-3-t0.7-exact",
+                      "chain-3-t0.7-rej", "none-t1", "chain-3-t1-exact", "chain-3-t1-rej"]
+    assert "Sampled: 9 configurations" in capsys.readouterr().out
+    assert bench_main(["-m", str(model), "--compare", "adaptive", "--limit", "2", "-n", "24", "-t", "1", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "| chain-3-adapt |" in out and "identical across the 5 configurations" in out
 
 
 # -- prompt sets -------------------------------------------------------------------------

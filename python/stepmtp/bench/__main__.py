@@ -14,6 +14,7 @@ configurations' outputs differ at temperature 0, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -26,7 +27,7 @@ from . import report as R
 from .harness import BenchRun, run_bench
 from .model import BENCH_MODEL_MB, DEFAULT_MODEL, MODEL_NAMES, bench_model, file_sha256, resolve_model
 from .prompts import load_prompts
-from .runners import (COMPARE_CONFIGS, COMPARE_CPP_CONFIGS, BenchConfig, EngineRunner, Runner, ServerRunner,
+from .runners import (COMPARE_CONFIGS, COMPARE_CPP_CONFIGS, COMPARE_SETS, BenchConfig, EngineRunner, Runner, ServerRunner,
                       URLRunner, find_llama_server, parse_configs)
 
 PROG = "python -m stepmtp.bench"
@@ -94,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", "--mtp-mode", dest="mode", choices=["chain", "single", "none"], default="chain")
     g.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=3)
     g.add_argument("--schedule", choices=["fused", "reference"], default="fused")
-    g.add_argument("--compare", action="store_true",
-                   help=f"run {', '.join(COMPARE_CONFIGS)} (and {', '.join(COMPARE_CPP_CONFIGS)} with a "
-                        "llama-server) interleaved, and compare")
+    g.add_argument("--compare", nargs="?", const="schedules", default=None, choices=sorted(COMPARE_SETS),
+                   help=f"run a set of configurations interleaved, and compare: schedules (the default: "
+                        f"{', '.join(COMPARE_CONFIGS)}, and {', '.join(COMPARE_CPP_CONFIGS)} with a llama-server), "
+                        f"verify ({', '.join(COMPARE_SETS['verify'])}), adaptive "
+                        f"({', '.join(COMPARE_SETS['adaptive'])})")
     g.add_argument("--configs", default=None,
                    help="comma-separated configurations, e.g. none,single-2,chain-3,chain-3-ref,cpp-single-2")
     g = ap.add_argument_group("run")
@@ -140,8 +143,8 @@ def _configs(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | N
     if s["configs"]:
         cfgs = parse_configs(s["configs"])
     elif args.compare:
-        cfgs = parse_configs(COMPARE_CONFIGS)
-        if llama_server is not None:
+        cfgs = parse_configs(COMPARE_SETS[args.compare])
+        if llama_server is not None and args.compare == "schedules":
             cfgs += parse_configs(COMPARE_CPP_CONFIGS)
     else:
         cfgs = [BenchConfig(mode=args.mode, n_max=args.n_max if args.mode != "none" else 0,
@@ -150,7 +153,7 @@ def _configs(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | N
         out = []
         for c in cfgs:
             if c.backend == "engine":
-                c = BenchConfig(mode=c.mode, n_max=c.n_max, schedule=c.schedule, backend="server")
+                c = dataclasses.replace(c, backend="server")
             out.append(c)
         cfgs = out
     return cfgs
@@ -209,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         llama_server = Path(args.llama_server)
         if not llama_server.is_file():
             ap.error(f"--llama-server {llama_server}: no such file")
-    elif (args.llama_server == "auto" or args.compare) and not args.no_llama_server and not args.url:
+    elif (args.llama_server == "auto" or args.compare == "schedules") and not args.no_llama_server and not args.url:
         llama_server = find_llama_server()
         if llama_server is None and args.llama_server == "auto":
             ap.error("--llama-server auto: no llama-server installed with the package (build it with "

@@ -8,6 +8,7 @@ wall time. At temperature 0 every prompt must give the same text in both.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -47,7 +48,7 @@ class ParallelRun:
 def _runner(c: BenchConfig, model: Path, n: int, *, mtp_model: str | None, n_ctx: int,
             n_threads: int | None, server: bool) -> Runner:
     if server:
-        return ServerRunner(BenchConfig(mode=c.mode, n_max=c.n_max, schedule=c.schedule, backend="server"), model,
+        return ServerRunner(dataclasses.replace(c, backend="server"), model,
                             mtp_model=mtp_model, n_ctx=n_ctx * n, n_threads=n_threads, n_parallel=n)
     return EngineRunner(c, model, mtp_model=mtp_model, n_ctx=n_ctx * n, n_threads=n_threads,
                         engine_kw={"n_parallel": n})

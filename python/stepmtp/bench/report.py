@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .harness import BenchRun, ConfigRun
-from .runners import BenchConfig, Result
+from .runners import SAMPLING_SEED, BenchConfig, Result
 
 __all__ = ["request_line", "aggregate", "prompt_cost", "config_block", "ratios", "markdown", "to_json", "write_chart",
            "environment"]
@@ -175,7 +175,13 @@ def markdown(run: BenchRun) -> str:
         out.append(f"**MISMATCH**: {len(run.mismatches)} outputs differ from {run.configs[0].label} at temperature 0: "
                    + ", ".join(f"{m.label}/{m.category} (char {m.at})" for m in run.mismatches))
     else:
-        out.append(f"Outputs: identical across the {len(run.configs)} configurations (temperature 0).")
+        n_greedy = sum(c.config.temperature == 0 for c in run.configs)
+        n_sampled = len(run.configs) - n_greedy
+        if n_greedy > 1:
+            out.append(f"Outputs: identical across the {n_greedy} configurations at temperature 0.")
+        if n_sampled:
+            out.append(f"Sampled: {n_sampled} configurations at temperature > 0, seed {SAMPLING_SEED} per request "
+                       "(their texts differ by design: exact and rejection verification draw differently).")
     env = run.environment
     if env:
         out += ["", f"Environment: {env.get('cpu_model')}, {env.get('cpu_count')} CPUs, "

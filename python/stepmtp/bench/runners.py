@@ -42,8 +42,20 @@ class BenchConfig:
     n_max: int = 3
     schedule: str = "fused"  # fused | reference (in-process and stepmtp.server)
     backend: str = "engine"
+    #: requests sample at this temperature (with a fixed seed per prompt) when > 0
+    temperature: float = 0.0
+    #: verification above temperature 0: exact | rejection (stepmtp only)
+    verify: str = "exact"
+    #: adaptive draft length, n_max the upper bound (stepmtp only)
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
+        if self.verify not in ("exact", "rejection"):
+            raise ValueError(f"unknown verification {self.verify!r} (exact, rejection)")
+        if not 0.0 <= self.temperature <= 5.0:
+            raise ValueError(f"temperature {self.temperature} out of [0, 5]")
+        if self.backend == "llama-server" and (self.verify != "exact" or self.adaptive):
+            raise ValueError("the C++ llama-server verifies by exact match with a fixed draft length")
         if self.mode not in ("chain", "single", "none"):
             raise ValueError(f"unknown mode {self.mode!r} (chain, single, none)")
         if self.schedule not in ("fused", "reference"):
@@ -62,15 +74,20 @@ class BenchConfig:
         if self.backend == "url":
             return "url"
         prefix = {"engine": "", "server": "srv-", "llama-server": "cpp-"}[self.backend]
+        temp = f"-t{self.temperature:g}" if self.temperature > 0 else ""
         if self.mode == "none":
-            return prefix + "none"
+            return prefix + "none" + temp
         ref = "-ref" if self.schedule == "reference" else ""
-        return f"{prefix}{self.mode}-{self.n_max}{ref}"
+        rej = "-rej" if self.verify == "rejection" else ("-exact" if self.temperature > 0 else "")
+        adapt = "-adapt" if self.adaptive else ""
+        return f"{prefix}{self.mode}-{self.n_max}{ref}{adapt}{temp}{rej}"
 
     @property
     def family(self) -> str:
-        """Configurations compared against the same no-speculation run."""
-        return {"engine": "engine", "server": "server", "llama-server": "llama-server", "url": "url"}[self.backend]
+        """Configurations compared against the same no-speculation run (same backend,
+        same temperature)."""
+        fam = {"engine": "engine", "server": "server", "llama-server": "llama-server", "url": "url"}[self.backend]
+        return fam + (f"@t{self.temperature:g}" if self.temperature > 0 else "")
 
     def describe(self) -> str:
         if self.backend == "url":
@@ -78,18 +95,33 @@ class BenchConfig:
         where = {"engine": "in-process", "server": "stepmtp.server", "llama-server": "C++ llama-server"}[self.backend]
         if self.mode == "none":
             return f"no speculation ({where})"
+        temp = f", temperature {self.temperature:g}" if self.temperature > 0 else ""
+        if self.mode == "none":
+            return f"no speculation{temp} ({where})"
         if self.backend == "llama-server":
-            return f"single-block MTP (head 0 for every step), n-max {self.n_max} ({where})"
-        return f"{self.mode}, n-max {self.n_max}, {self.schedule} schedule ({where})"
+            return f"single-block MTP (head 0 for every step), n-max {self.n_max}{temp} ({where})"
+        extra = (", adaptive length" if self.adaptive else "") + temp
+        if self.temperature > 0:
+            extra += f", {self.verify} verification"
+        return f"{self.mode}, n-max {self.n_max}, {self.schedule} schedule{extra} ({where})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "mode": self.mode, "n_max": self.n_max if self.mode != "none" else 0,
-                "schedule": self.schedule, "backend": self.backend}
+                "schedule": self.schedule, "backend": self.backend, "temperature": self.temperature,
+                "verify": self.verify, "adaptive": self.adaptive}
+
+    def request_settings(self) -> dict[str, Any]:
+        """Sampling of a request: greedy, or this temperature with a fixed seed."""
+        if self.temperature > 0:
+            return {"temperature": self.temperature, "seed": SAMPLING_SEED}
+        return {"temperature": 0.0}
 
     @classmethod
     def parse(cls, spec: str) -> "BenchConfig":
         """``none``, ``chain-3``, ``single:2``, ``chain-3-ref``, ``cpp-single-2``,
-        ``cpp-none``, ``srv-chain-3`` (``:`` or ``-`` separated)."""
+        ``cpp-none``, ``srv-chain-3``, ``chain-3-adapt``, ``chain-3-t0.7-rej``,
+        ``none-t0.7`` (``:`` or ``-`` separated; ``tX`` samples at temperature X,
+        ``rej``/``exact`` picks the verification, ``adapt`` the adaptive length)."""
         parts = [p for p in spec.strip().replace(":", "-").split("-") if p]
         backend = "engine"
         if parts and parts[0] in ("cpp", "llama", "srv", "server"):
@@ -99,19 +131,30 @@ class BenchConfig:
         mode = parts.pop(0)
         if mode not in ("none", "chain", "single"):
             raise ValueError(f"bad configuration {spec!r}: mode {mode!r} is not none, chain or single")
-        if mode == "none":
-            if parts:
-                raise ValueError(f"bad configuration {spec!r}")
-            return cls(mode="none", n_max=0, backend=backend)
-        n_max = 3
-        if parts and parts[0].isdigit():
+        n_max = 0 if mode == "none" else 3
+        if mode != "none" and parts and parts[0].isdigit():
             n_max = int(parts.pop(0))
-        schedule = "fused"
-        if parts and parts[0] in ("ref", "reference", "fused"):
-            schedule = "reference" if parts.pop(0) != "fused" else "fused"
-        if parts:
-            raise ValueError(f"bad configuration {spec!r}")
-        return cls(mode=mode, n_max=n_max, schedule=schedule, backend=backend)
+        kw: dict[str, Any] = {}
+        for p in parts:
+            if p in ("ref", "reference", "fused") and mode != "none":
+                kw["schedule"] = "fused" if p == "fused" else "reference"
+            elif p in ("adapt", "adaptive") and mode != "none":
+                kw["adaptive"] = True
+            elif p in ("rej", "rejection", "exact") and mode != "none":
+                kw["verify"] = "exact" if p == "exact" else "rejection"
+            elif p.startswith("t") and _is_float(p[1:]):
+                kw["temperature"] = float(p[1:])
+            else:
+                raise ValueError(f"bad configuration {spec!r}: {p!r}")
+        return cls(mode=mode, n_max=n_max, backend=backend, **kw)
+
+
+def _is_float(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_configs(text: str | Sequence[str]) -> list[BenchConfig]:
@@ -128,11 +171,21 @@ def parse_configs(text: str | Sequence[str]) -> list[BenchConfig]:
     return out
 
 
+#: the seed of every sampled request (temperature > 0): runs are repeatable
+SAMPLING_SEED = 1234
+
 #: ``--compare``: no speculation; single and chain at n-max 2 and 3; the change's
 #: (reference) schedule next to the fused one for chain.
 COMPARE_CONFIGS = ("none", "single-2", "single-3", "chain-2", "chain-3", "chain-2-ref", "chain-3-ref")
 #: added to ``--compare`` when a C++ llama-server binary is at hand
 COMPARE_CPP_CONFIGS = ("cpp-none", "cpp-single-2", "cpp-single-3")
+#: ``--compare verify``: exact match against rejection sampling at three temperatures
+COMPARE_VERIFY_CONFIGS = tuple(c for t in ("0.3", "0.7", "1") for c in
+                               (f"none-t{t}", f"chain-3-t{t}-exact", f"chain-3-t{t}-rej"))
+#: ``--compare adaptive``: the adaptive length against every fixed n-max
+COMPARE_ADAPTIVE_CONFIGS = ("none", "chain-1", "chain-2", "chain-3", "chain-3-adapt")
+COMPARE_SETS = {"schedules": COMPARE_CONFIGS, "verify": COMPARE_VERIFY_CONFIGS,
+                "adaptive": COMPARE_ADAPTIVE_CONFIGS}
 
 
 @dataclass
@@ -225,11 +278,11 @@ class EngineRunner(Runner):
 
         c = self.config
         self.engine = Engine(self.model, mtp_model=self.mtp_model, mode=c.mode, n_max=max(1, c.n_max),
-                             schedule=c.schedule, **self.kw)
+                             schedule=c.schedule, verify=c.verify, adaptive=c.adaptive, **self.kw)
 
     def run(self, category: str, prompt: str, n_predict: int) -> Result:
         t0 = time.perf_counter()
-        out = self.engine.generate(prompt, n_predict=n_predict, temperature=0.0)
+        out = self.engine.generate(prompt, n_predict=n_predict, **self.config.request_settings())
         wall = time.perf_counter() - t0
         st = out.stats
         return Result(
@@ -299,7 +352,7 @@ class URLRunner(Runner):
             pass
 
     def run(self, category: str, prompt: str, n_predict: int) -> Result:
-        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+        body = {"prompt": prompt, "n_predict": n_predict, **self.config.request_settings(), "cache_prompt": False,
                 "stream": False}
         t0 = time.perf_counter()
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
@@ -483,9 +536,11 @@ class ServerRunner(URLRunner):
             if mtp_model is not None:
                 argv += ["--spec-draft-model", str(mtp_model)]
             if config.backend == "server":
-                argv += ["--spec-mtp-mode", config.mode]
+                argv += ["--spec-mtp-mode", config.mode, "--spec-verify", config.verify]
                 if config.schedule != "fused":
                     argv += ["--spec-schedule", config.schedule]
+                if config.adaptive:
+                    argv += ["--spec-adaptive"]
         self.process = ServerProcess(argv, startup_timeout=startup_timeout, label=config.label)
 
     def start(self) -> None:
