@@ -371,29 +371,60 @@ def test_adaptive_length_stays_exact_and_backs_off_when_drafts_fail(tiny, greedy
     assert sum(outs[True].stats.rounds_by_length[1:]) >= 4  # every length was measured
 
 
+class _Clock:
+    """A fake clock the tests advance by each round's cost."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def test_adaptive_policy_picks_the_best_rate():
     from stepmtp.adaptive import AdaptiveLength
 
-    pol = AdaptiveLength(3, probe_every=1000)
-    # every length measured once: drafts cost 1 each, verification 2 whatever the rows
-    for _ in range(4):
+    clock = _Clock()
+    pol = AdaptiveLength(3, probe_every=1000, clock=clock)
+    # every length measured once: a round of n drafts costs 2 + n (verification 2,
+    # drafts 1 each); the first two drafts are always accepted, the third never
+    for _ in range(5):
         n = pol.choose()
-        pol.observe(n, min(n, 2), [1.0] * n, 2.0)
-    # acceptance 1, 1, 0: E[tokens] = 1, 2, 3, 3 for n = 0..3; costs 2, 3, 4, 5
-    assert [round(pol.expected_rate(n), 3) for n in range(4)] == pytest.approx([0.5, 0.667, 0.75, 0.6], abs=0.01)
+        pol.observe(n, min(n, 2))
+        clock.t += 2 + n
+    # E[tokens] = 1, 2, 3, 3 for n = 0..3; costs 2, 3, 4, 5
+    assert [pol.expected_rate(n) for n in range(4)] == pytest.approx([0.5, 0.667, 0.75, 0.6], abs=0.01)
     assert pol.choose() == 2
 
 
 def test_adaptive_policy_backs_off_and_probes():
     from stepmtp.adaptive import AdaptiveLength
 
-    pol = AdaptiveLength(3, probe_every=32)
+    clock = _Clock()
+    pol = AdaptiveLength(3, probe_every=32, clock=clock)
     chosen = []
-    for _ in range(200):
+    for _ in range(600):
         n = pol.choose()
         chosen.append(n)
         # nothing is ever accepted; a draft costs 0.3, verifying m rows 1 + 0.05 m
-        pol.observe(n, 0, [0.3] * n, 1.0 + 0.05 * (n + 1))
+        pol.observe(n, 0)
+        clock.t += 0.3 * n + 1.0 + 0.05 * (n + 1)
     assert chosen[:4] == [3, 2, 1, 0]  # every length measured first
-    assert chosen.count(0) > 0.85 * len(chosen)  # then plain decoding...
-    assert set(chosen[100:]) == {0, 1, 2, 3}  # ...probing the others now and then
+    assert chosen.count(0) > 0.98 * len(chosen)  # then plain decoding...
+    probes = [i for i, n in enumerate(chosen) if n and i >= 4]
+    assert {chosen[i] for i in probes} == {1}  # ...probing the next length only,
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(gaps) >= 2 and gaps == sorted(gaps) and gaps[-1] >= 2 * gaps[0]  # less and less often
+
+
+def test_adaptive_policy_times_a_round_by_what_it_drafted():
+    """p-min cut a round chosen at 3 to 1 draft: its time is a 1-draft round's."""
+    from stepmtp.adaptive import AdaptiveLength
+
+    clock = _Clock()
+    pol = AdaptiveLength(3, clock=clock)
+    assert pol.choose() == 3
+    pol.observe(1, 1)
+    clock.t += 7.0
+    pol.choose()
+    assert pol.t_round[1] == 7.0 and pol.t_round[3] is None

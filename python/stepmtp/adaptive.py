@@ -2,79 +2,147 @@
 expected accepted tokens per second.
 
 With per-depth acceptance estimates a_d (the chance draft d is accepted given drafts
-1..d-1 were) a round of n drafts emits E[n] = 1 + a_1 + a_1 a_2 + ... tokens, and
-costs T[n] = draft_1 + .. + draft_n + verify(n+1 rows), all measured on this machine
-as the generation runs (moving averages). The policy picks argmax E[n] / T[n] for
-n in 0..n_max; 0 means a plain decode this round. Every length is tried once at the
-start, and again whenever it has not been tried for ``probe_every`` rounds, so the
-estimates stay fresh when the text changes character.
+1..d-1 were) a round of n drafts emits E[n] = 1 + a_1 + a_1 a_2 + ... tokens. Its
+cost T[n] is measured, per length, as the wall time from one round's choice to the
+next: the draft steps, the verification, the heads catching up, and everything
+Python does around them (on a small model that overhead decides whether drafting
+pays at all, and a cost model of the decodes alone would miss it). The policy picks
+argmax E[n] / T[n] for n in 0..n_max; 0 means a plain decode this round. Every
+length is tried once at the start; afterwards the lengths next to the best one are
+probed when they have not been tried for a while, so the estimates follow the text
+and the machine: after ``probe_every`` rounds, a gap that doubles each time a probe
+loses (up to ``max_probe_every``) and resets when one wins, so a length that never
+pays is almost never paid for.
+
+Plain floats, not numpy: this runs every round, and with n_max <= 3 numpy's
+per-call overhead would cost more than the arithmetic.
 """
 from __future__ import annotations
 
-import numpy as np
+import time
+from typing import Callable
 
-__all__ = ["AdaptiveLength"]
+__all__ = ["AdaptiveLength", "RoundCosts"]
+
+
+def _ema(values: list, counts: list[int], i: int, x: float, decay: float) -> None:
+    # a plain mean over the first observations, then a moving average: the prior
+    # and the first samples do not linger
+    counts[i] += 1
+    w = max(1.0 / counts[i], 1.0 - decay)
+    v = values[i]
+    values[i] = x if v is None else (1 - w) * v + w * x
+
+
+class RoundCosts:
+    """What one engine's sequences share: seconds per round by draft length (the
+    machine's and the model's: a new request does not pay to measure them again),
+    and the acceptance per depth seen lately, a new sequence's starting estimate
+    (so that it does not start by drafting where drafting has not been paying)."""
+
+    def __init__(self, n_max: int, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.t_round: list[float | None] = [None] * (n_max + 1)
+        self._n = [0] * (n_max + 1)
+        self.accept: list[float | None] = [None] * n_max
+        self._n_accept = [0] * n_max
+
+    def observe(self, n: int, seconds: float) -> None:
+        _ema(self.t_round, self._n, n, seconds, self.decay)
+
+    def observe_accept(self, depth: int, accepted: bool) -> None:
+        _ema(self.accept, self._n_accept, depth, 1.0 if accepted else 0.0, self.decay)
 
 
 class AdaptiveLength:
     """Per-sequence draft-length policy (acceptance depends on the text; the costs
-    are the machine's but cheap to learn again)."""
+    are the machine's but cheap to learn again). ``clock``: seconds, for tests."""
 
-    def __init__(self, n_max: int, *, decay: float = 0.9, probe_every: int = 32,
-                 prior_accept: float = 0.5) -> None:
+    def __init__(self, n_max: int, *, decay: float = 0.9, probe_every: int = 32, max_probe_every: int = 1024,
+                 prior_accept: float = 0.5, costs: RoundCosts | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.n_max = n_max
         self.decay = decay
         self.probe_every = probe_every
-        self.accept = np.full(max(1, n_max), prior_accept)
-        self.t_draft = np.full(max(1, n_max), np.nan)  # seconds per draft step, by depth
-        self.t_verify = np.full(n_max + 2, np.nan)  # seconds per verify, by rows
-        self.last_tried = np.full(n_max + 1, -(10**9))
+        self.max_probe_every = max(probe_every, max_probe_every)
+        self.gap = [probe_every] * (n_max + 1)  # rounds until a length is probed again
+        self._probe: int | None = None  # the length the last round probed
+        self.clock = clock
+        self.costs = costs or RoundCosts(n_max, decay)
+        self.accept = [prior_accept if a is None else a for a in self.costs.accept]
+        self._n_accept = [0] * n_max
+        # a length whose cost the engine knows counts as just tried: a new sequence
+        # starts from the shared estimates instead of probing at once
+        self.last_tried = [0 if t is not None else -(10**9) for t in self.costs.t_round]
         self.round = 0
         self.chosen = n_max
-        self._n: dict[int, np.ndarray] = {}  # observations per estimate
+        self._t_start: float | None = None
+        self._drafted: int | None = None  # the length the last round really drafted
+        self._steady = True
 
-    def _ema(self, arr: np.ndarray, i: int, x: float) -> None:
-        # a plain mean over the first observations, then a moving average: the prior
-        # and the first samples do not linger
-        n = self._n.setdefault(id(arr), np.zeros(len(arr), dtype=np.int64))
-        n[i] += 1
-        w = max(1.0 / n[i], 1.0 - self.decay)
-        arr[i] = x if np.isnan(arr[i]) else (1 - w) * arr[i] + w * x
+    @property
+    def t_round(self) -> list[float | None]:
+        return self.costs.t_round
 
-    def expected_rate(self, n: int) -> float:
-        """Expected tokens per second of a round drafting n tokens."""
-        if (n > 0 and np.isnan(self.t_draft[:n]).any()) or np.isnan(self.t_verify[n + 1]):
-            return float("nan")
-        tokens = 1.0 + float(np.cumprod(self.accept[:n]).sum()) if n else 1.0
-        cost = float(self.t_draft[:n].sum()) + float(self.t_verify[n + 1])
-        return tokens / cost if cost > 0 else float("inf")
+    def expected_tokens(self, n: int) -> float:
+        total, p = 1.0, 1.0
+        for d in range(n):
+            p *= self.accept[d]
+            total += p
+        return total
+
+    def expected_rate(self, n: int) -> float | None:
+        """Expected tokens per second of a round drafting n tokens (None: not measured)."""
+        t = self.t_round[n]
+        if t is None:
+            return None
+        return self.expected_tokens(n) / t if t > 0 else float("inf")
 
     def choose(self) -> int:
-        """The draft length for this round."""
+        """The draft length for this round (also closes the timing of the last one)."""
+        now = self.clock()
+        if self._t_start is not None and self._drafted is not None and self._steady:
+            self.costs.observe(self._drafted, now - self._t_start)
+        self._t_start, self._drafted = now, None
         self.round += 1
-        rates = [self.expected_rate(n) for n in range(self.n_max + 1)]
-        # lengths not measured yet, longest first (it also times the shorter drafts)
+        lengths = range(self.n_max + 1)
+        rates = [self.expected_rate(n) for n in lengths]
+        # lengths not measured yet, longest first
         for n in range(self.n_max, -1, -1):
-            if np.isnan(rates[n]):
+            if rates[n] is None:
                 return self._pick(n)
-        stale = int(np.argmin(self.last_tried))
-        if self.round - self.last_tried[stale] > self.probe_every:
-            return self._pick(stale)
-        return self._pick(int(np.nanargmax(rates)))
+        best = max(lengths, key=lambda n: rates[n])
+        if self._probe is not None:
+            # the last round was a probe: back off if that length still loses
+            n = self._probe
+            self.gap[n] = self.probe_every if n == best else min(2 * self.gap[n], self.max_probe_every)
+            self._probe = None
+        # probe the neighbours of the best length only: a probe pays the heads' catch-up
+        # on every row they skipped, and a longer round only pays if a shorter one does
+        near = [n for n in (best - 1, best + 1) if 0 <= n <= self.n_max]
+        overdue = max(near, key=lambda n: self.round - self.last_tried[n] - self.gap[n])
+        if self.round - self.last_tried[overdue] > self.gap[overdue]:
+            self._probe = overdue
+            return self._pick(overdue)
+        return self._pick(best)
 
     def _pick(self, n: int) -> int:
         self.last_tried[n] = self.round
         self.chosen = n
         return n
 
-    def observe(self, n_drafted: int, n_accepted: int, t_steps: list[float], t_verify: float) -> None:
-        """What the round did: drafts, accepted drafts, seconds per draft step and for
-        the verification (target decode and acceptance)."""
-        for d in range(n_drafted):
-            self._ema(self.accept, d, 1.0 if d < n_accepted else 0.0)
-            if d >= n_accepted:
+    def observe(self, n_drafted: int, n_accepted: int, steady: bool = True) -> None:
+        """What the round did: drafts, accepted drafts (fewer drafts than chosen when
+        p-min stopped early; the round is timed as the length it really had).
+        ``steady``: the heads were up to date before it; a round that first caught
+        them up on many skipped rows is not timed (that is the price of switching
+        drafting back on, paid once, not the cost of a round of that length)."""
+        for d in range(min(n_drafted, self.n_max)):
+            ok = d < n_accepted
+            _ema(self.accept, self._n_accept, d, 1.0 if ok else 0.0, self.decay)
+            self.costs.observe_accept(d, ok)
+            if not ok:
                 break  # later drafts were never judged
-        for d, t in enumerate(t_steps[: self.n_max]):
-            self._ema(self.t_draft, d, t)
-        self._ema(self.t_verify, n_drafted + 1, t_verify)
-        self.last_tried[min(n_drafted, self.n_max)] = self.round
+        self._steady = steady
+        self._drafted = min(n_drafted, self.n_max)
+        self.last_tried[self._drafted] = self.round

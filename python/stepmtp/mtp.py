@@ -55,7 +55,7 @@ from typing import Literal
 
 import numpy as np
 
-from .adaptive import AdaptiveLength
+from .adaptive import AdaptiveLength, RoundCosts
 from .llama import Batch, Context
 from .sampling import Sampler, draft_pick, verify_rejection
 from .stats import GenStats
@@ -186,6 +186,8 @@ class SeqState:
     chain_h: np.ndarray | None = None
     q: np.ndarray | None = None
     row: int = -1
+    #: adaptive length: the heads to be used were up to date when the round began
+    steady: bool = True
 
     @property
     def prefilling(self) -> bool:
@@ -254,8 +256,9 @@ class MTPDriver:
         if draft is not None:
             draft.set_nextn(True, masked=True)
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
-        self._t_steps: list[float] = []  # seconds per draft step of the current round
         self._need_p = spec.p_min > 0 or debug
+        # adaptive length: the cost of a round of each length, shared by the sequences
+        self._costs = RoundCosts(self.n_draft)
 
     # -- timing: what runs inside llama.cpp, so the rest is Python's share ------
 
@@ -292,7 +295,8 @@ class MTPDriver:
         s.tokens = list(prompt)
         s.pos, s.id_last = 0, -1
         s.pending_h = self._zero_h[0]
-        s.policy = AdaptiveLength(self.n_draft) if self.spec.adaptive and self.speculate else None
+        s.policy = (AdaptiveLength(self.n_draft, costs=self._costs) if self.spec.adaptive and self.speculate
+                    else None)
         s.h_log = {} if self.debug else None
         s.trace = [] if self.debug else None
         s.chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
@@ -357,8 +361,10 @@ class MTPDriver:
             s.n_plan = min(self.n_draft, room)
             if s.policy is not None:
                 s.n_plan = min(s.n_plan, s.policy.choose())
+                # heads that skipped rounds catch up in this one: not a steady round
+                s.steady = not self.fused or min(s.kv_valid[k] for k in self.heads[: max(1, s.n_plan)]) >= \
+                    s.pos - self.n_draft
             s.drafts = []
-        self._t_steps.clear()
         if self.speculate:
             if self.fused:
                 self._draft_fused(seqs)
@@ -366,7 +372,6 @@ class MTPDriver:
                 self._draft(seqs)
 
         # verify: the target decodes each sequence's id_last and drafts, every row an output
-        t_verify = time.perf_counter()
         tb = self.tbatch
         tb.clear()
         starts = [tb.append([s.id_last, *s.drafts], s.pos, s.seq_id, outputs="all") for s in seqs]
@@ -379,16 +384,15 @@ class MTPDriver:
             # process: re-anchor every head on the trunk rows, right-shifted by one
             self._process([(s, [s.id_last, *s.drafts], s.pos, verify_h[i0 : i0 + len(s.drafts) + 1])
                            for s, i0 in zip(seqs, starts)])
-        t_verify = time.perf_counter() - t_verify
         outs = []
         for s, i0 in zip(seqs, starts):
             s.stats.t_llama_ms += dt
             n = len(s.drafts)
             vh = verify_h[i0 : i0 + n + 1] if verify_h is not None else None
-            outs.append(self._accept(s, logits[i0 : i0 + n + 1], vh, t_verify))
+            outs.append(self._accept(s, logits[i0 : i0 + n + 1], vh))
         return outs
 
-    def _accept(self, s: SeqState, logits: np.ndarray, verify_h: np.ndarray | None, t_verify: float) -> list[int]:
+    def _accept(self, s: SeqState, logits: np.ndarray, verify_h: np.ndarray | None) -> list[int]:
         """The target's samples while they equal the drafts (or rejection sampling);
         moves the sequence past what it accepted."""
         r, drafts = s.pos, s.drafts
@@ -421,7 +425,7 @@ class MTPDriver:
             self.target.seq_rm(s.seq_id, s.pos)  # the rejected drafts' KV
         s.stats.count_round(n, a)
         if s.policy is not None:
-            s.policy.observe(n, a, self._t_steps, t_verify)
+            s.policy.observe(n, a, s.steady)
         if s.trace is not None:
             cells = (self.draft.seq_pos_min(s.seq_id), self.draft.seq_pos_max(s.seq_id)) if self.draft else (-1, -1)
             s.trace.append(RoundTrace(r, list(drafts), s.probs[:n], a, out, cells, list(s.kv_valid)))
@@ -446,7 +450,6 @@ class MTPDriver:
             active = self._drafting(seqs, i)
             if not active:
                 break
-            t_step = time.perf_counter()
             b.clear()
             if self.spec.mode == "chain" or i == 0:
                 # chain: head i has no KV past r, it decodes the whole prefix with the
@@ -460,7 +463,7 @@ class MTPDriver:
                     s.row = b.n - 1
             else:
                 self._grow_single(active, i)
-            self._decode_step(active, i, t_step)
+            self._decode_step(active, i)
         for s in seqs:
             d.seq_rm(s.seq_id, s.pos)
         self._end_drafts(seqs)
@@ -492,7 +495,6 @@ class MTPDriver:
             active = self._drafting(seqs, i)
             if not active:
                 break
-            t_step = time.perf_counter()
             b.clear()
             if self.spec.mode == "chain" or i == 0:
                 k = i if self.spec.mode == "chain" else 0
@@ -513,7 +515,7 @@ class MTPDriver:
                     s.kv_valid[k] = s.pos + 1
             else:
                 self._grow_single(active, i)
-            self._decode_step(active, i, t_step)
+            self._decode_step(active, i)
         for s in seqs:
             s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
         self._end_drafts(seqs)
@@ -542,12 +544,11 @@ class MTPDriver:
             s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, s.seq_id, outputs="last",
                                        embd=s.chain_h[i - 1 : i])
 
-    def _decode_step(self, active: list[SeqState], i: int, t_step: float) -> None:
+    def _decode_step(self, active: list[SeqState], i: int) -> None:
         """Run draft step i's decode and take each sequence's draft token."""
         self._decode(self.draft, self.dbatch, active)
         for s in active:
             self._take_draft(s, i)
-        self._t_steps.append(time.perf_counter() - t_step)
 
     def _take_draft(self, s: SeqState, i: int) -> None:
         """Take draft token i from the sequence's output row of the last draft
