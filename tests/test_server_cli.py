@@ -136,10 +136,11 @@ def test_reference_command_runs(split_pair, tmp_path):
 
 
 def test_default_model_and_single_mode(tmp_path):
-    """No -m: the bundled default model (the tiny agree model, for now)."""
-    env_cache = tmp_path / "cache"
+    """No -m: the bundled trained model."""
+    from stepmtp.models import default_model_path
+
     srv = ServerProcess(["--spec-type", "draft-mtp", "--spec-mtp-mode", "single", "--spec-draft-n-max", "2",
-                         "-np", "3", "-t", "1"], tmp_path, extra_env={"STEPMTP_CACHE_DIR": str(env_cache)})
+                         "-np", "3", "-t", "1"], tmp_path)
     try:
         srv.wait_ready()
         props = httpx.get(srv.url + "/props", timeout=30).json()
@@ -148,12 +149,11 @@ def test_default_model_and_single_mode(tmp_path):
         log = srv.log()
     finally:
         srv.stop()
-    assert props["model_path"].startswith(str(env_cache)) and props["model_path"].endswith("tiny-agree.gguf")
+    assert props["model_path"] == str(default_model_path())
     assert props["stepmtp"]["mtp_mode"] == "single" and props["total_slots"] == 3
     depth = body["mtp"]["draft_n_per_depth"]
     assert depth[0] == depth[1] > 0 and depth[2] == 0
-    agree = write_agree_model(tmp_path / "again", seed=0)[0]
-    with Engine(agree, mode="single", n_max=2, n_ctx=512, n_threads=1) as eng:
+    with Engine(default_model_path(), mode="single", n_max=2, n_ctx=512, n_threads=1) as eng:
         assert body["content"] == eng.generate(PROMPT, n_predict=24, temperature=0).text
     assert "no -m given" in log and "slots: 3, decoded together" in log
 

@@ -1,37 +1,29 @@
 """``python -m stepmtp``: generate with the chained MTP heads and report what they did.
 
-With no model it generates a tiny Step3.5 model whose heads partly agree with its
-trunk (``stepmtp.tiny.write_agree_model``) in the cache and uses it. ``--compare`` runs the same prompt without speculation, with the single head
-and with the chain, checks that the outputs agree at temperature 0, and prints a table.
+With no model it runs the bundled model (``stepmtp.models``: a small Step3.5 model
+trained on the CPython standard library, with three trained MTP heads).
+``--compare`` runs the same prompt without speculation, with the single head and
+with the chain, checks that the outputs agree at temperature 0, and prints a table.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from .engine import Engine
 from .mtp import SpecConfig
 from .stats import GenStats
 
-DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+#: a function the bundled model has seen: its signature and docstring, so it goes on
+#: with the body (the heads predict best on text like their training text)
+DEFAULT_PROMPT = 'def heappush(heap, item):\n    """Push item onto heap, maintaining the heap invariant."""'
 
 
 def _default_model() -> Path:
-    from .tiny import write_agree_model
+    from .models import default_model_path
 
-    cache = Path(os.environ.get("STEPMTP_CACHE_DIR", Path.home() / ".cache" / "stepmtp")) / "tiny"
-    cache.mkdir(parents=True, exist_ok=True)
-    # written beside and renamed over: a process that has the old file mapped (a
-    # server, a bench) keeps reading it intact instead of dying on a truncated map
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        fresh = write_agree_model(tmp, seed=0)[0]
-        path = cache / fresh.name
-        if not path.exists() or path.read_bytes() != fresh.read_bytes():
-            os.replace(fresh, path)
-    return path
+    return default_model_path()
 
 
 def _stats_line(label: str, st: GenStats) -> str:
@@ -46,7 +38,7 @@ def _stats_line(label: str, st: GenStats) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m stepmtp", description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", help="target GGUF (default: the tiny generated model)")
+    ap.add_argument("-m", "--model", help="target GGUF (default: the bundled model)")
     ap.add_argument("--spec-draft-model", "-md", dest="mtp_model", help="MTP-only GGUF with the heads")
     ap.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("-n", "--n-predict", type=int, default=64)

@@ -442,12 +442,27 @@ def _write_gguf(
     with_nextn: bool,
     seed: int,
     variant: str,
+    *,
+    name: str | None = None,
+    tokenizer_pre: str = "default",
+    file_type: gguf.LlamaFileType = gguf.LlamaFileType.ALL_F32,
+    tensor_types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
+    extra_kv: Mapping[str, str] | None = None,
 ) -> None:
+    """Write one ``step35`` GGUF.
+
+    The keyword-only arguments are for models other than the tiny test ones (the
+    defaults write exactly what the tests expect): ``name`` replaces the
+    ``general.name``, ``tokenizer_pre`` the pre-tokenizer, ``file_type`` the
+    declared ``general.file_type``; ``tensor_types`` maps tensor names to a
+    ggml type to store them as (F32 / F16 / Q8_0, quantized here with
+    ``gguf.quants``; absent names stay as given); ``extra_kv`` adds string keys.
+    """
     n_blocks = cfg.n_layer_all if with_nextn else cfg.n_layer
     w = gguf.GGUFWriter(str(path), ARCH)
 
     w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(f"stepmtp tiny step35 ({variant}, seed {seed})")
+    w.add_name(name if name is not None else f"stepmtp tiny step35 ({variant}, seed {seed})")
     w.add_block_count(n_blocks)
     w.add_context_length(cfg.n_ctx_train)
     w.add_embedding_length(cfg.n_embd)
@@ -462,7 +477,7 @@ def _write_gguf(
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(file_type)
     w.add_sliding_window(cfg.n_swa)
     w.add_sliding_window_pattern(cfg.swa_pattern(n_blocks))
     w.add_expert_count(cfg.n_expert)
@@ -480,7 +495,7 @@ def _write_gguf(
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(tokenizer_pre)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.token_types)
     w.add_token_merges(vocab.merges)
@@ -490,9 +505,20 @@ def _write_gguf(
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra_kv or {}).items():
+        w.add_string(key, value)
 
-    for name, arr in tensors:
-        w.add_tensor(name, arr)
+    for tname, arr in tensors:
+        qtype = (tensor_types or {}).get(tname)
+        if qtype is None:
+            w.add_tensor(tname, arr)
+        elif qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float16))
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
+            w.add_tensor(tname, data, raw_dtype=qtype)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -19,11 +19,10 @@ MTPMode = Literal["chain", "single"]
 
 
 def default_model_path() -> Path:
-    """The model served when no ``-m`` is given: for now the tiny agree model that
-    ``python -m stepmtp`` generates (one definition, in ``stepmtp.__main__``)."""
-    from ..__main__ import _default_model
+    """The model served when no ``-m`` is given: the bundled trained model."""
+    from ..models import default_model_path as bundled
 
-    return _default_model()
+    return bundled()
 
 
 @dataclass

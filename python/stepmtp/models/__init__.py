@@ -1,0 +1,281 @@
+"""Bundled models: a small trained Step3.5-architecture model with three real MTP heads.
+
+``stdlib-q8_0.gguf`` is a ``step35`` model (sliding-window and full-attention layers,
+head-wise attention gate, q/k norms, a dense layer then sigmoid-routed MoE layers with
+a router bias and a shared expert, three appended MTP blocks with their own shared
+heads) trained on the CPython standard library's sources by
+``tools/train_default_model.py`` (see the README). Its heads are embedded;
+:func:`split_model` writes the trunk + MTP-only pair from it.
+
+>>> from stepmtp import Engine
+>>> from stepmtp.models import default_model_path
+>>> with Engine(default_model_path(), mode="chain", n_max=3) as eng:
+...     out = eng.generate(EVAL_PROMPTS[0], n_predict=128, temperature=0)
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+__all__ = [
+    "DEFAULT_MODEL_FILE",
+    "EVAL_PROMPTS",
+    "default_model_path",
+    "split_model",
+    "default_split_paths",
+    "measure_acceptance",
+]
+
+#: File name of the bundled default model (inside this package directory).
+DEFAULT_MODEL_FILE = "stdlib-q8_0.gguf"
+
+#: Held-in prompts the acceptance is measured on: the beginnings of nine functions
+#: and classes of the training corpus, each its ``def``/``class`` line and its whole
+#: docstring, so that the model goes on with the body. No newline at the end: the
+#: tokenizer joins a newline with the next line's indentation, so a prompt ending in
+#: a bare newline token would say "the next line is not indented".
+EVAL_PROMPTS: tuple[str, ...] = (
+    # bisect.py
+    (
+        'def insort_right(a, x, lo=0, hi=None, *, key=None):\n'
+        '    """Insert item x in list a, and keep it sorted assuming a is sorted.\n'
+        '\n'
+        '    If x is already in a, insert it to the right of the rightmost x.\n'
+        '\n'
+        '    Optional args lo (default 0) and hi (default len(a)) bound the\n'
+        '    slice of a to be searched.\n'
+        '    """'
+    ),
+    # copy.py
+    (
+        'def deepcopy(x, memo=None, _nil=[]):\n'
+        '    """Deep copy operation on arbitrary Python objects.\n'
+        '\n'
+        "    See the module's __doc__ string for more info.\n"
+        '    """'
+    ),
+    # fnmatch.py
+    (
+        'def fnmatch(name, pat):\n'
+        '    """Test whether FILENAME matches PATTERN.\n'
+        '\n'
+        '    Patterns are Unix shell style:\n'
+        '\n'
+        '    *       matches everything\n'
+        '    ?       matches any single character\n'
+        '    [seq]   matches any character in seq\n'
+        '    [!seq]  matches any char not in seq\n'
+        '\n'
+        '    An initial period in FILENAME is not special.\n'
+        '    Both FILENAME and PATTERN are first case-normalized\n'
+        '    if the operating system requires it.\n'
+        "    If you don't want this, use fnmatchcase(FILENAME, PATTERN).\n"
+        '    """'
+    ),
+    # heapq.py
+    (
+        'def heappush(heap, item):\n'
+        '    """Push item onto heap, maintaining the heap invariant."""'
+    ),
+    # base64.py
+    (
+        'def b64encode(s, altchars=None):\n'
+        '    """Encode the bytes-like object s using Base64 and return a bytes object.\n'
+        '\n'
+        '    Optional altchars should be a byte string of length 2 which specifies an\n'
+        "    alternative alphabet for the '+' and '/' characters.  This allows an\n"
+        '    application to e.g. generate url or filesystem safe Base64 strings.\n'
+        '    """'
+    ),
+    # genericpath.py
+    (
+        'def exists(path):\n'
+        '    """Test whether a path exists.  Returns False for broken symbolic links"""'
+    ),
+    # glob.py
+    (
+        'def glob(pathname, *, root_dir=None, dir_fd=None, recursive=False,\n'
+        '        include_hidden=False):\n'
+        '    """Return a list of paths matching a pathname pattern.\n'
+        '\n'
+        '    The pattern may contain simple shell-style wildcards a la\n'
+        '    fnmatch. Unlike fnmatch, filenames starting with a\n'
+        "    dot are special cases that are not matched by '*' and '?'\n"
+        '    patterns by default.\n'
+        '\n'
+        "    If `include_hidden` is true, the patterns '*', '?', '**'  will match hidden\n"
+        '    directories.\n'
+        '\n'
+        "    If `recursive` is true, the pattern '**' will match any files and\n"
+        '    zero or more directories and subdirectories.\n'
+        '    """'
+    ),
+    # cmd.py
+    (
+        'class Cmd:\n'
+        '    """A simple framework for writing line-oriented command interpreters.\n'
+        '\n'
+        '    These are often useful for test harnesses, administrative tools, and\n'
+        '    prototypes that will later be wrapped in a more sophisticated interface.\n'
+        '\n'
+        '    A Cmd instance or subclass instance is a line-oriented interpreter\n'
+        '    framework.  There is no good reason to instantiate Cmd itself; rather,\n'
+        "    it's useful as a superclass of an interpreter class you define yourself\n"
+        "    in order to inherit Cmd's methods and encapsulate action methods.\n"
+        '\n'
+        '    """'
+    ),
+    # getopt.py
+    (
+        'def getopt(args, shortopts, longopts = []):\n'
+        '    """getopt(args, options[, long_options]) -> opts, args\n'
+        '\n'
+        '    Parses command line options and parameter list.  args is the\n'
+        '    argument list to be parsed, without the leading reference to the\n'
+        '    running program.  Typically, this means "sys.argv[1:]".  shortopts\n'
+        '    is the string of option letters that the script wants to\n'
+        '    recognize, with options that require an argument followed by a\n'
+        '    colon (i.e., the same format that Unix getopt() uses).  If\n'
+        '    specified, longopts is a list of strings with the names of the\n'
+        "    long options which should be supported.  The leading '--'\n"
+        '    characters should not be included in the option name.  Options\n'
+        '    which require an argument should be followed by an equal sign\n'
+        "    ('=').\n"
+        '\n'
+        '    The return value consists of two elements: the first is a list of\n'
+        '    (option, value) pairs; the second is the list of program arguments\n'
+        '    left after the option list was stripped (this is a trailing slice\n'
+        '    of the first argument).  Each option-and-value pair returned has\n'
+        '    the option as its first element, prefixed with a hyphen (e.g.,\n'
+        "    '-x'), and the option argument as its second element, or an empty\n"
+        '    string if the option has no argument.  The options occur in the\n'
+        '    list in the same order in which they were found, thus allowing\n'
+        '    multiple occurrences.  Long and short options may be mixed.\n'
+        '\n'
+        '    """'
+    ),
+)
+
+_MTP_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def default_model_path() -> Path:
+    """Path of the bundled default model (trunk + 3 MTP heads in one Q8_0 GGUF)."""
+    path = Path(__file__).resolve().parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the bundled model is missing: {path}")
+    return path
+
+
+def split_model(src: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write the trunk-only and the MTP-only GGUF of an embedded ``step35`` GGUF.
+
+    Like the converter's default and ``--mtp`` outputs: the trunk file has every
+    tensor but the MTP blocks (its metadata still declares them); the MTP file has
+    the MTP blocks plus ``token_embd``, ``output_norm``, ``output`` and
+    ``rope_freqs``. Metadata and tensor data (quantized or not) are copied as they
+    are. Returns ``{"trunk": path, "mtp": path}``.
+    """
+    import gguf
+
+    src = Path(src)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    block_count = int(reader.fields[f"{arch}.block_count"].contents())
+    n_nextn = int(reader.fields[f"{arch}.nextn_predict_layers"].contents())
+    n_layer = block_count - n_nextn
+
+    def is_mtp(name: str) -> bool:
+        m = _MTP_BLOCK.match(name)
+        return m is not None and int(m.group(1)) >= n_layer
+
+    paths: dict[str, Path] = {}
+    for variant, keep in (("trunk", lambda n: not is_mtp(n)),
+                          ("mtp", lambda n: is_mtp(n) or _MTP_BLOCK.match(n) is None)):
+        path = out / f"{src.stem}-{variant}.gguf"
+        tmp = path.with_name(path.name + ".tmp")
+        w = gguf.GGUFWriter(str(tmp), arch)
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name == "general.architecture":
+                continue
+            vtype = field.types[0]
+            value = field.contents()
+            if field.name == "general.name":
+                value = f"{value} [{variant}]"
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, value, vtype, sub_type=sub)
+        for t in reader.tensors:
+            if keep(t.name):
+                w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+        paths[variant] = path
+    return paths
+
+
+def default_split_paths(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Path]:
+    """The trunk + MTP-only pair of the default model, written once into a cache
+    directory (``$STEPMTP_CACHE_DIR/models``, default ``~/.cache/stepmtp/models``)."""
+    src = default_model_path()
+    if cache_dir is None:
+        cache_dir = Path(os.environ.get("STEPMTP_CACHE_DIR", Path.home() / ".cache" / "stepmtp")) / "models"
+    cache = Path(cache_dir)
+    paths = {v: cache / f"{src.stem}-{v}.gguf" for v in ("trunk", "mtp")}
+    fresh = all(p.is_file() and p.stat().st_mtime >= src.stat().st_mtime for p in paths.values())
+    return paths if fresh else split_model(src, cache)
+
+
+def measure_acceptance(
+    model: str | os.PathLike[str] | None = None,
+    prompts: Sequence[str] = EVAL_PROMPTS,
+    n_predict: int = 160,
+    runs: Iterable[tuple[str, int]] = (("single", 2), ("chain", 2), ("single", 3), ("chain", 3)),
+    n_ctx: int = 1024,
+    n_threads: int | None = None,
+) -> dict[tuple[str, int], dict[str, object]]:
+    """Greedy (temperature 0) acceptance of each ``(mode, n_max)`` run over ``prompts``.
+
+    Returns per run: ``drafted`` and ``accepted`` (totals), ``rate``,
+    ``drafted_per_depth``, ``accepted_per_depth`` (depths 1..3), ``predicted``,
+    ``seconds`` and the generated ``texts``.
+    """
+    import time
+
+    from ..engine import Engine
+
+    path = default_model_path() if model is None else Path(model)
+    result: dict[tuple[str, int], dict[str, object]] = {}
+    for mode, n_max in runs:
+        drafted = accepted = predicted = 0
+        dpd, apd = [0, 0, 0], [0, 0, 0]
+        texts = []
+        t0 = time.perf_counter()
+        with Engine(path, mode=mode, n_max=n_max, n_ctx=n_ctx, n_threads=n_threads) as eng:
+            for p in prompts:
+                out = eng.generate(p, n_predict=n_predict, temperature=0)
+                st = out.stats
+                drafted += st.n_drafted
+                accepted += st.n_accepted
+                predicted += st.n_predicted
+                for d in range(3):
+                    dpd[d] += st.drafted_per_depth[d]
+                    apd[d] += st.accepted_per_depth[d]
+                texts.append(out.text)
+        result[(mode, n_max)] = {
+            "drafted": drafted,
+            "accepted": accepted,
+            "rate": accepted / drafted if drafted else 0.0,
+            "drafted_per_depth": dpd,
+            "accepted_per_depth": apd,
+            "predicted": predicted,
+            "seconds": time.perf_counter() - t0,
+            "texts": texts,
+        }
+    return result

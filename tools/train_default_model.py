@@ -1,0 +1,748 @@
+#!/usr/bin/env python
+"""Train stepmtp's default model: a small ``step35`` (Step-3.5-Flash architecture)
+model with three chained MTP heads, on the CPython standard library's sources.
+
+Build-time tool only: needs ``torch`` (``pip install torch==2.13.0``, CPU), which is
+never a runtime dependency of the package. One CPU thread, seeded, deterministic
+for a given machine, torch version and CPython (the corpus is that Python's stdlib).
+
+    python tools/train_default_model.py --out python/stepmtp/models/
+
+Steps: corpus (``stepmtp.models.corpus``) -> byte-level BPE -> train the trunk and
+the three MTP heads together -> export a Q8_0 GGUF with the heads embedded through
+``stepmtp.tiny._write_gguf`` -> check that llama.cpp tokenizes the corpus exactly as
+the training did and that the file loads.
+
+The heads are trained on exactly the inputs the driver (``stepmtp/mtp.py``) feeds
+them, with the true tokens in place of the drafts. With ``H[p]`` the trunk's last
+hidden row at ``p`` (before the output norm, ``H[-1] = 0``) and ``t_p`` the tokens:
+
+* every head's KV at a position ``p`` holds the *trunk-fed* row ``(t_p, H[p-1])``
+  (what the process step writes);
+* head 0, row ``q`` = ``(t_q, H[q-1])``, over its trunk-fed KV, predicts ``t_{q+1}``;
+  its output row is ``O0[q]``;
+* head 1 drafts at ``r + 1`` from the batch ``[(t_r, H[r-1]), (t_{r+1}, O0[r])]``:
+  the query row ``j = r + 1`` is ``(t_j, O0[j-1])``, it sees head 1's trunk-fed
+  rows at ``p <= j - 1`` and itself, predicts ``t_{j+1}``; output ``O1[j]``;
+* head 2 drafts at ``r + 2`` from ``[(t_r, H[r-1]), (t_{r+1}, O0[r]), (t_{r+2}, O1[r+1])]``:
+  the query row ``j = r + 2`` is ``(t_j, O1[j-1])``; it sees head 2's trunk-fed rows
+  at ``p <= j - 2``, head 2's row ``(t_{j-1}, O0[j-2])`` at ``j - 1``, and itself;
+  predicts ``t_{j+1}``.
+
+All three are computed for every position of a training window at once, with
+attention masks over the concatenated key sets.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import gguf
+
+from stepmtp.models import DEFAULT_MODEL_FILE
+from stepmtp.models import corpus as C
+from stepmtp.tiny import SPECIAL_TOKENS, TinyConfig, TinyVocab, _write_gguf, llama3_rope_factors
+
+# ---------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------
+
+#: The default model's architecture, as llama.cpp will see it (see TinyConfig).
+MODEL_CONFIG = TinyConfig(
+    n_embd=128,
+    n_layer=6,              # blk.0 full + dense; blk.1-3 swa, blk.4 full, blk.5 swa, all MoE
+    n_nextn=3,              # blk.6, blk.7 (swa), blk.8 (full): dense MTP blocks
+    head_dim=32,
+    n_head_full=4,
+    n_head_swa=4,
+    n_head_kv=2,
+    swa_period=4,
+    n_swa=128,
+    n_ff=384,
+    n_ff_exp=128,
+    n_ff_shexp=128,
+    n_expert=4,
+    n_expert_used=2,
+    n_leading_dense=1,
+    n_ctx_train=1024,
+    expert_weights_scale=2.0,
+    swiglu_clamp_exp_trunk=(0.0, 0.0, 0.0, 0.0, 0.0, 7.0),
+    swiglu_clamp_shexp_trunk=(0.0, 0.0, 0.0, 0.0, 0.0, 7.0),
+    n_vocab=2048,
+)
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    seq_len: int = 256
+    batch: int = 4
+    steps: int = 1400
+    lr: float = 4e-3
+    lr_min_frac: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    head_weight: float = 0.5        # loss weight of each MTP head
+    distill: float = 0.0            # head targets: (1-distill) * true next token + distill * trunk's distribution
+    router_bias_rate: float = 1e-3  # aux-loss-free balancing of the router bias
+    init_std: float = 0.02
+    head_steps: int = 2000          # phase 2: heads alone on the frozen trunk
+    head_lr: float = 2e-3
+    head_warmup: int = 20
+    head_distill: float = 1.0
+    onpolicy_seqs: int = 800        # phase 2 also learns on the trunk's own greedy text
+    onpolicy_prompt: int = 32
+    onpolicy_frac: float = 0.75
+    log_every: int = 100
+
+
+# ---------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    a = F.silu(g)
+    if limit > 1e-6:
+        a = a.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+    return a * u
+
+
+def rope_tables(cfg: TinyConfig, il: int, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n_pos, n_rot/2] of block il (NEOX; full layers: partial rotary and rope_freqs)."""
+    n_rot = cfg.n_rot(il)
+    half = n_rot // 2
+    inv = cfg.rope_base(il) ** (-torch.arange(half, dtype=torch.float64) * 2.0 / n_rot)
+    if not cfg.is_swa(il):
+        inv = inv / torch.from_numpy(llama3_rope_factors(cfg)[:half]).double()
+    ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd]; cos/sin [T, half]."""
+    half = cos.shape[-1]
+    x0, x1, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos, rest], dim=-1)
+
+
+class Block(torch.nn.Module):
+    """One step35 decoder layer (attention with q/k norms and a head-wise gate, then a
+    dense SwiGLU MLP or a sigmoid-routed MoE with a router bias and a shared expert)."""
+
+    def __init__(self, cfg: TinyConfig, il: int, std: float, out_std: float) -> None:
+        super().__init__()
+        self.cfg, self.il = cfg, il
+        E, hd = cfg.n_embd, cfg.head_dim
+        self.nh, self.nkv = cfg.n_head(il), cfg.n_head_kv
+        self.swa = cfg.is_swa(il)
+        self.moe = cfg.is_moe(il)
+        self.clamp_exp = cfg.swiglu_clamp_exp(cfg.n_layer_all)[il]
+        self.clamp_shexp = cfg.swiglu_clamp_shexp(cfg.n_layer_all)[il]
+        P = torch.nn.Parameter
+
+        def mat(*shape: int, s: float = std) -> torch.nn.Parameter:
+            return P(torch.randn(*shape) * s)
+
+        self.attn_norm = P(torch.ones(E))
+        # q | k | v | gate rows in one matrix
+        self.n_q, self.n_k = self.nh * hd, self.nkv * hd
+        self.wqkvg = mat(self.n_q + 2 * self.n_k + self.nh, E)
+        self.q_norm = P(torch.ones(hd))
+        self.k_norm = P(torch.ones(hd))
+        self.wo = mat(E, self.n_q, s=out_std)
+        self.ffn_norm = P(torch.ones(E))
+        if self.moe:
+            X, Fe, S = cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
+            self.router = mat(X, E)
+            self.register_buffer("router_bias", torch.zeros(X))
+            self.w_gu_exps = mat(X, 2 * Fe, E)
+            self.w_down_exps = mat(X, E, Fe, s=out_std / cfg.expert_weights_scale)
+            self.w_gu_sh = mat(2 * S, E)
+            self.w_down_sh = mat(E, S, s=out_std)
+            self.last_load: torch.Tensor | None = None
+        else:
+            self.w_gu = mat(2 * cfg.n_ff, E)
+            self.w_down = mat(E, cfg.n_ff, s=out_std)
+
+    # -- attention pieces -------------------------------------------------------
+
+    def qkvg(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, need_q: bool = True):
+        """xn [B, T, E] (after attn_norm) -> q [B,H,T,hd] (or None), k, v [B,Hkv,T,hd], gate [B,T,H]."""
+        B, T, _ = xn.shape
+        hd = self.cfg.head_dim
+        eps = self.cfg.rms_eps
+        if need_q:
+            y = xn @ self.wqkvg.t()
+            q, k, v, g = y.split([self.n_q, self.n_k, self.n_k, self.nh], dim=-1)
+            q = rms_norm(q.view(B, T, self.nh, hd), self.q_norm, eps).transpose(1, 2)
+            q = apply_rope(q, cos, sin)
+        else:
+            y = xn @ self.wqkvg[self.n_q : self.n_q + 2 * self.n_k].t()
+            k, v = y.split([self.n_k, self.n_k], dim=-1)
+            q = g = None
+        k = rms_norm(k.view(B, T, self.nkv, hd), self.k_norm, eps).transpose(1, 2)
+        k = apply_rope(k, cos, sin)
+        v = v.reshape(B, T, self.nkv, hd).transpose(1, 2)
+        return q, k, v, g
+
+    def attend(self, q, k, v, g, mask, residual: torch.Tensor) -> torch.Tensor:
+        """Attention output (gated, projected) plus the residual, then the FFN half."""
+        B, H, T, hd = q.shape
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        o = o * torch.sigmoid(g).transpose(1, 2)[..., None]
+        x = residual + o.transpose(1, 2).reshape(B, T, H * hd) @ self.wo.t()
+        return x + self.ffn(rms_norm(x, self.ffn_norm, self.cfg.rms_eps))
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.moe:
+            g, u = (x @ self.w_gu.t()).chunk(2, dim=-1)
+            return swiglu(g, u, self.clamp_shexp) @ self.w_down.t()
+        cfg = self.cfg
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        probs = torch.sigmoid(x2 @ self.router.t())                        # [N, X]
+        top = torch.topk(probs.detach() + self.router_bias, cfg.n_expert_used, dim=-1).indices
+        wts = probs.gather(1, top)
+        if cfg.expert_weights_norm:
+            wts = wts / wts.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
+        wts = wts * cfg.expert_weights_scale
+        self.last_load = torch.bincount(top.reshape(-1), minlength=cfg.n_expert).float()
+        out = torch.zeros_like(x2)
+        for e in range(cfg.n_expert):
+            rows, slot = (top == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            xe = x2.index_select(0, rows)
+            g, u = (xe @ self.w_gu_exps[e].t()).chunk(2, dim=-1)
+            ye = swiglu(g, u, self.clamp_exp) @ self.w_down_exps[e].t()
+            out = out.index_add(0, rows, ye * wts[rows, slot][:, None])
+        g, u = (x2 @ self.w_gu_sh.t()).chunk(2, dim=-1)
+        out = out + swiglu(g, u, self.clamp_shexp) @ self.w_down_sh.t()
+        return out.view(shape)
+
+    def forward(self, x: torch.Tensor, cos, sin, mask) -> torch.Tensor:
+        xn = rms_norm(x, self.attn_norm, self.cfg.rms_eps)
+        q, k, v, g = self.qkvg(xn, cos, sin)
+        return self.attend(q, k, v, g, mask, x)
+
+
+class MTPHead(torch.nn.Module):
+    """An appended NextN block: eh_proj([enorm(embed(tok)); hnorm(h)]) -> decoder layer ->
+    shared head (its own norm and output matrix)."""
+
+    def __init__(self, cfg: TinyConfig, k: int, std: float, out_std: float) -> None:
+        super().__init__()
+        E, P = cfg.n_embd, torch.nn.Parameter
+        self.cfg = cfg
+        self.enorm = P(torch.ones(E))
+        self.hnorm = P(torch.ones(E))
+        self.eh_proj = P(torch.randn(E, 2 * E) * std)
+        self.block = Block(cfg, cfg.n_layer + k, std, out_std)
+        self.head_norm = P(torch.ones(E))
+        self.head = P(torch.randn(cfg.n_vocab, E) * std)
+
+    def inp(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.rms_eps
+        return torch.cat([rms_norm(e, self.enorm, eps), rms_norm(h, self.hnorm, eps)], -1) @ self.eh_proj.t()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.head_norm, self.cfg.rms_eps) @ self.head.t()
+
+
+def _shift(h: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """Rows moved n positions later along T, zeros in front: out[:, j] = h[:, j - n]."""
+    return F.pad(h, (0, 0, n, 0))[:, : h.shape[1]]
+
+
+class StepModel(torch.nn.Module):
+    def __init__(self, cfg: TinyConfig, seq_len: int, std: float = 0.02) -> None:
+        super().__init__()
+        self.cfg = cfg
+        out_std = std / math.sqrt(2 * cfg.n_layer)
+        self.embed = torch.nn.Parameter(torch.randn(cfg.n_vocab, cfg.n_embd) * std)
+        self.blocks = torch.nn.ModuleList(Block(cfg, il, std, out_std) for il in range(cfg.n_layer))
+        self.out_norm = torch.nn.Parameter(torch.ones(cfg.n_embd))
+        self.output = torch.nn.Parameter(torch.randn(cfg.n_vocab, cfg.n_embd) * std)
+        self.heads = torch.nn.ModuleList(MTPHead(cfg, k, std, out_std) for k in range(cfg.n_nextn))
+        T = seq_len
+        for il in range(cfg.n_layer_all):
+            cos, sin = rope_tables(cfg, il, T)
+            self.register_buffer(f"cos{il}", cos, persistent=False)
+            self.register_buffer(f"sin{il}", sin, persistent=False)
+        pos = torch.arange(T)
+        qp, kp = pos[:, None], pos[None, :]
+        causal = kp <= qp
+        window = causal & (qp - kp < cfg.n_swa)
+        eye = qp == kp
+        prev = kp == qp - 1
+        self.register_buffer("mask_full", causal, persistent=False)
+        self.register_buffer("mask_swa", window, persistent=False)
+        # chained queries: trunk-fed keys up to j-d (d = depth), then the chain rows
+        for d in (1, 2):
+            for kind, base in (("full", causal), ("swa", window)):
+                tf = base & (kp <= qp - d)
+                parts = [tf, eye] if d == 1 else [tf, prev, eye]
+                self.register_buffer(f"mask_c{d}_{kind}", torch.cat(parts, dim=1), persistent=False)
+
+    def rope(self, il: int):
+        return getattr(self, f"cos{il}"), getattr(self, f"sin{il}")
+
+    def mask(self, il: int, name: str = "") -> torch.Tensor:
+        kind = "swa" if self.cfg.is_swa(il) else "full"
+        return getattr(self, f"mask_{name}{'_' if name else ''}{kind}")
+
+    def forward(self, tokens: torch.Tensor, train_trunk: bool = True):
+        """tokens [B, T] -> (trunk logits, [head k logits]); head k's logits row j
+        predicts tokens[j+1] from the chain described in the module docstring.
+        ``train_trunk=False``: the trunk (and the token embedding) run without
+        gradients, only the heads are trained."""
+        cfg = self.cfg
+        with torch.set_grad_enabled(train_trunk and torch.is_grad_enabled()):
+            e = F.embedding(tokens, self.embed)
+            x = e
+            for il, blk in enumerate(self.blocks):
+                cos, sin = self.rope(il)
+                x = blk(x, cos, sin, self.mask(il))
+            H = x
+            trunk_logits = rms_norm(H, self.out_norm, cfg.rms_eps) @ self.output.t()
+        Hs = _shift(H)
+
+        heads_out = []
+        # head 0: trunk-fed rows, plain causal self-attention
+        h0 = self.heads[0]
+        il = cfg.n_layer
+        cos, sin = self.rope(il)
+        x0 = h0.inp(e, Hs)
+        O0 = h0.block(x0, cos, sin, self.mask(il))
+        heads_out.append(h0.logits(O0))
+
+        # head 1: query (t_j, O0[j-1]) over trunk-fed keys p <= j-1 and itself
+        h1 = self.heads[1]
+        il = cfg.n_layer + 1
+        cos, sin = self.rope(il)
+        b = h1.block
+        eps = cfg.rms_eps
+        _, k_tf, v_tf, _ = b.qkvg(rms_norm(h1.inp(e, Hs), b.attn_norm, eps), cos, sin, need_q=False)
+        xc = h1.inp(e, _shift(O0))
+        q, k, v, g = b.qkvg(rms_norm(xc, b.attn_norm, eps), cos, sin)
+        O1 = b.attend(q, torch.cat([k_tf, k], 2), torch.cat([v_tf, v], 2), g, self.mask(il, "c1"), xc)
+        heads_out.append(h1.logits(O1))
+
+        # head 2: query (t_j, O1[j-1]) over trunk-fed keys p <= j-2, (t_{j-1}, O0[j-2]) and itself
+        h2 = self.heads[2]
+        il = cfg.n_layer + 2
+        cos, sin = self.rope(il)
+        b = h2.block
+        _, k_tf, v_tf, _ = b.qkvg(rms_norm(h2.inp(e, Hs), b.attn_norm, eps), cos, sin, need_q=False)
+        _, k_a, v_a, _ = b.qkvg(rms_norm(h2.inp(e, _shift(O0)), b.attn_norm, eps), cos, sin, need_q=False)
+        xc = h2.inp(e, _shift(O1))
+        q, k, v, g = b.qkvg(rms_norm(xc, b.attn_norm, eps), cos, sin)
+        O2 = b.attend(q, torch.cat([k_tf, k_a, k], 2), torch.cat([v_tf, v_a, v], 2), g, self.mask(il, "c2"), xc)
+        heads_out.append(h2.logits(O2))
+        return trunk_logits, heads_out
+
+    def update_router_bias(self, rate: float) -> None:
+        """Aux-loss-free load balancing: nudge each router bias toward an even load."""
+        with torch.no_grad():
+            for blk in self.blocks:
+                if blk.moe and blk.last_load is not None:
+                    load = blk.last_load
+                    blk.router_bias += rate * torch.sign(load.mean() - load)
+
+    # -- export -------------------------------------------------------------------
+
+    def gguf_tensors(self) -> dict[str, np.ndarray]:
+        """All weights under their GGUF names, numpy (n_out, n_in) layout, float32."""
+        cfg = self.cfg
+        t: dict[str, np.ndarray] = {}
+
+        def a(x: torch.Tensor) -> np.ndarray:
+            return x.detach().float().contiguous().numpy().copy()
+
+        def block(p: str, b: Block) -> None:
+            q, k, v, g = b.wqkvg.split([b.n_q, b.n_k, b.n_k, b.nh], dim=0)
+            t[p + "attn_norm.weight"] = a(b.attn_norm)
+            t[p + "attn_q.weight"] = a(q)
+            t[p + "attn_k.weight"] = a(k)
+            t[p + "attn_v.weight"] = a(v)
+            t[p + "attn_q_norm.weight"] = a(b.q_norm)
+            t[p + "attn_k_norm.weight"] = a(b.k_norm)
+            t[p + "attn_gate.weight"] = a(g)
+            t[p + "attn_output.weight"] = a(b.wo)
+            t[p + "ffn_norm.weight"] = a(b.ffn_norm)
+            if b.moe:
+                Fe = cfg.n_ff_exp
+                t[p + "ffn_gate_inp.weight"] = a(b.router)
+                t[p + "exp_probs_b.bias"] = a(b.router_bias)
+                t[p + "ffn_gate_exps.weight"] = a(b.w_gu_exps[:, :Fe])
+                t[p + "ffn_up_exps.weight"] = a(b.w_gu_exps[:, Fe:])
+                t[p + "ffn_down_exps.weight"] = a(b.w_down_exps)
+                S = cfg.n_ff_shexp
+                t[p + "ffn_gate_shexp.weight"] = a(b.w_gu_sh[:S])
+                t[p + "ffn_up_shexp.weight"] = a(b.w_gu_sh[S:])
+                t[p + "ffn_down_shexp.weight"] = a(b.w_down_sh)
+            else:
+                n = cfg.n_ff
+                t[p + "ffn_gate.weight"] = a(b.w_gu[:n])
+                t[p + "ffn_up.weight"] = a(b.w_gu[n:])
+                t[p + "ffn_down.weight"] = a(b.w_down)
+
+        t["token_embd.weight"] = a(self.embed)
+        for il, b in enumerate(self.blocks):
+            block(f"blk.{il}.", b)
+        for k, h in enumerate(self.heads):
+            p = f"blk.{cfg.n_layer + k}."
+            t[p + "nextn.enorm.weight"] = a(h.enorm)
+            t[p + "nextn.hnorm.weight"] = a(h.hnorm)
+            t[p + "nextn.eh_proj.weight"] = a(h.eh_proj)
+            block(p, h.block)
+            t[p + "nextn.shared_head_norm.weight"] = a(h.head_norm)
+            t[p + "nextn.shared_head_head.weight"] = a(h.head)
+        t["output_norm.weight"] = a(self.out_norm)
+        t["output.weight"] = a(self.output)
+        t["rope_freqs.weight"] = llama3_rope_factors(cfg)
+        return t
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+
+
+def build_tokenizer(docs, cfg: TinyConfig) -> tuple[TinyVocab, C.BPETokenizer]:
+    n_specials = len(cfg.special_tokens)
+    tokens, merges = C.train_bpe([text for _, text in docs], cfg.n_vocab - n_specials)
+    if len(tokens) != cfg.n_vocab - n_specials:
+        raise RuntimeError(f"BPE gave {len(tokens)} tokens")
+    vocab = TinyVocab(
+        tokens=tokens + list(cfg.special_tokens),
+        token_types=[int(gguf.TokenType.NORMAL)] * len(tokens) + [int(gguf.TokenType.CONTROL)] * n_specials,
+        merges=merges,
+    )
+    return vocab, C.BPETokenizer(vocab.tokens, merges, bos_id=cfg.bos_id)
+
+
+def token_stream(docs, tok: C.BPETokenizer) -> np.ndarray:
+    """Every file as BOS + its tokens, files concatenated in corpus order."""
+    out: list[int] = []
+    for _, text in docs:
+        out.extend(tok.encode(text, add_bos=True))
+    return np.asarray(out, dtype=np.int64)
+
+
+def line_starts(stream: np.ndarray, tok: C.BPETokenizer, T: int) -> np.ndarray:
+    """Indices where a window can start: the first token of a line at column 0 (the
+    token before it ends with a newline) or of a file, with T-1 tokens after it."""
+    ends_nl = np.array([t.endswith("\u010a") for t in tok.tokens], dtype=bool)  # GPT-2 spelling of "\n"
+    is_bos = stream == tok.bos_id
+    ok = np.zeros(len(stream), dtype=bool)
+    ok[1:] = ends_nl[stream[:-1]] | is_bos[:-1]
+    ok &= ~is_bos
+    idx = np.nonzero(ok)[0]
+    return idx[idx + T - 1 < len(stream)]
+
+
+def batches(stream: np.ndarray, starts: np.ndarray, bos: int, B: int, T: int, gen: torch.Generator):
+    """Endless random windows: BOS followed by T-1 consecutive corpus tokens, starting
+    at a random line start (half of them: prompts are like that, BOS then ``def ...``)
+    or anywhere (the other half: every token gets trained on, however deep in a class)."""
+    s = torch.from_numpy(stream)
+    st = torch.from_numpy(starts)
+    while True:
+        at_line = st[torch.randint(0, len(st), (B,), generator=gen)]
+        anywhere = torch.randint(0, len(stream) - T, (B,), generator=gen)
+        first = torch.where(torch.arange(B) % 2 == 0, at_line, anywhere)
+        idx = first[:, None] + torch.arange(T - 1)[None, :]
+        body = s[idx]
+        yield torch.cat([torch.full((B, 1), bos, dtype=torch.long), body], 1), s[idx[:, -1] + 1]
+
+
+# ---------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------
+
+
+def losses(model: StepModel, tokens: torch.Tensor, nxt: torch.Tensor, distill: float, train_trunk: bool = True):
+    """Trunk next-token loss and each head's loss (row j predicts tokens[j+1]).
+
+    A head's target is ``(1 - distill)`` the true next token plus ``distill`` the
+    trunk's own distribution at that row (cross-entropy against it; what a draft
+    needs is to agree with the trunk)."""
+    logits, heads = model(tokens, train_trunk=train_trunk)
+    V = model.cfg.n_vocab
+    target = torch.cat([tokens[:, 1:], nxt[:, None]], 1)  # token after each position
+    trunk = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+    soft = F.softmax(logits.detach(), -1) if distill > 0 else None
+    head_losses = []
+    for k, hl in enumerate(heads):
+        # head k's rows are valid from j = k on (they need k chained rows before them)
+        lg, tg = hl[:, k:].reshape(-1, V), target[:, k:].reshape(-1)
+        loss = F.cross_entropy(lg, tg) if distill < 1 else lg.new_zeros(())
+        if soft is not None:
+            xent = -(soft[:, k:].reshape(-1, V) * F.log_softmax(lg, -1)).sum(-1).mean()
+            loss = (1 - distill) * loss + distill * xent
+        head_losses.append(loss)
+    return trunk, head_losses
+
+
+def agreement(model: StepModel, tokens: torch.Tensor) -> list[float]:
+    """Teacher-forced proxy of greedy acceptance: fraction of anchors r where heads
+    0..d-1 all match the trunk's argmax at r+1..r+d (true tokens in between)."""
+    with torch.no_grad():
+        logits, heads = model(tokens)
+    tr = logits.argmax(-1)  # [B, T] trunk's next token after each position
+    T = tokens.shape[1]
+    ok = torch.ones(tokens.shape[0], T - 3, dtype=torch.bool)
+    out = []
+    for k, hl in enumerate(heads):
+        # anchor r: head k's row r + k predicts position r + k + 1, like the trunk's row r + k
+        hk = hl.argmax(-1)[:, k : k + T - 3]
+        ok = ok & (hk == tr[:, k : k + T - 3])
+        out.append(ok.float().mean().item())
+    return out
+
+
+def param_groups(params: list[torch.nn.Parameter], wd: float):
+    decay, no_decay = [], []
+    for p in params:
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _cosine(step: int, n: int, peak: float, warmup: int, min_frac: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, n - warmup)
+    return peak * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train(cfg: TinyConfig, tc: TrainConfig, stream: np.ndarray, starts: np.ndarray, vocab: TinyVocab,
+          log=print, init_state: dict | None = None) -> StepModel:
+    """Phase 1 (``tc.steps``): trunk and heads together, the trunk on next-token loss,
+    the heads on their chained inputs (the module docstring), their gradients
+    flowing into the trunk too. Phase 2 (``tc.head_steps``): the trunk frozen, the
+    heads alone, with ``tc.head_distill`` of their target the trunk's own
+    distribution, so that they learn the trunk they will draft for."""
+    torch.manual_seed(tc.seed)
+    model = StepModel(cfg, tc.seq_len, tc.init_std)
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    gen = torch.Generator().manual_seed(tc.seed + 1)
+    data = batches(stream, starts, cfg.bos_id, tc.batch, tc.seq_len, gen)
+    eval_tokens = next(batches(stream, starts, cfg.bos_id, 8, tc.seq_len, torch.Generator().manual_seed(12345)))[0]
+    t0 = time.perf_counter()
+
+    def run(phase: str, n_steps: int, params: list, lr_at, distill: float, train_trunk: bool, data) -> None:
+        opt = torch.optim.AdamW(param_groups(params, tc.weight_decay), lr=lr_at(0), betas=(0.9, 0.95), eps=1e-8)
+        acc = np.zeros(4)
+        for step in range(n_steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            tokens, nxt = next(data)
+            trunk, hl = losses(model, tokens, nxt, distill, train_trunk)
+            loss = (trunk if train_trunk else 0.0) + tc.head_weight * sum(hl)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            if train_trunk:
+                model.update_router_bias(tc.router_bias_rate)
+            acc += np.array([trunk.item(), *[h.item() for h in hl]])
+            done = step + 1
+            if done % tc.log_every == 0 or done == n_steps:
+                acc /= tc.log_every if done % tc.log_every == 0 else done % tc.log_every
+                ag = agreement(model, eval_tokens)
+                el = time.perf_counter() - t0
+                log(f"{phase} {done:5d}/{n_steps} lr {lr_at(step):.2e} loss trunk {acc[0]:.3f} "
+                    f"heads {acc[1]:.3f} {acc[2]:.3f} {acc[3]:.3f} agree {ag[0]:.3f} {ag[1]:.3f} {ag[2]:.3f} "
+                    f"{el:7.1f}s")
+                acc[:] = 0
+
+    if tc.steps:
+        run("joint", tc.steps, list(model.parameters()),
+            lambda s: _cosine(s, tc.steps, tc.lr, tc.warmup, tc.lr_min_frac), tc.distill, True, data)
+    if tc.head_steps:
+        if tc.onpolicy_seqs:
+            seqs = onpolicy_sequences(model, vocab, stream, starts, tc, log)
+            data = mixed(data, seqs, tc.batch, tc.onpolicy_frac, torch.Generator().manual_seed(tc.seed + 2))
+        run("heads", tc.head_steps, list(model.heads.parameters()),
+            lambda s: _cosine(s, tc.head_steps, tc.head_lr, tc.head_warmup, tc.lr_min_frac), tc.head_distill,
+            False, data)
+    return model
+
+
+def onpolicy_sequences(model: StepModel, vocab: TinyVocab, stream: np.ndarray, starts: np.ndarray,
+                       tc: TrainConfig, log=print) -> torch.Tensor:
+    """The trunk's own greedy continuations of corpus excerpts, ``[N, seq_len + 1]``.
+
+    The drafts are checked against the trunk's greedy tokens on text the trunk
+    writes itself, so the heads also learn on such text (self-distillation, as
+    draft models usually are). The trunk is exported as the shipped Q8_0 file
+    would be and run through llama.cpp (fast, and exactly the trunk of inference);
+    prompts are BOS plus ``onpolicy_prompt`` tokens from random line starts.
+    """
+    import tempfile
+
+    from stepmtp import Engine
+
+    T = tc.seq_len
+    L = tc.onpolicy_prompt
+    g = torch.Generator().manual_seed(tc.seed + 3)
+    pick = starts[starts + T < len(stream)]
+    out = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trunk.gguf"
+        export_gguf(model, vocab, path, "q8_0", {})
+        with Engine(path, mode="none", n_ctx=T + 8, n_threads=1) as eng:
+            while len(out) < tc.onpolicy_seqs:
+                i = int(pick[torch.randint(0, len(pick), (1,), generator=g)])
+                prompt = [model.cfg.bos_id, *stream[i : i + L].tolist()]
+                got = eng.generate(prompt, n_predict=T + 1 - len(prompt), temperature=0).tokens
+                if len(prompt) + len(got) == T + 1:  # stopped early (an end token): drawn again
+                    out.append(prompt + got)
+    log(f"on-policy: {len(out)} greedy continuations in {time.perf_counter() - t0:.0f}s")
+    return torch.tensor(out, dtype=torch.long)
+
+
+def mixed(corpus_batches, seqs: torch.Tensor, B: int, frac: float, gen: torch.Generator):
+    """Batches whose rows are on-policy sequences with probability ``frac``, else corpus windows."""
+    while True:
+        tokens, nxt = next(corpus_batches)
+        take = torch.rand(B, generator=gen) < frac
+        rows = seqs[torch.randint(0, len(seqs), (B,), generator=gen)]
+        tokens = torch.where(take[:, None], rows[:, :-1], tokens)
+        nxt = torch.where(take, rows[:, -1], nxt)
+        yield tokens, nxt
+
+
+# ---------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------
+
+# tensors kept in F32 like the converter does: 1-d tensors (norms, biases, rope
+# factors) and the router
+def _keep_f32(name: str, arr: np.ndarray) -> bool:
+    return arr.ndim == 1 or name.endswith("ffn_gate_inp.weight")
+
+
+def export_gguf(model: StepModel, vocab: TinyVocab, path: Path, qtype: str, meta: dict[str, str]) -> None:
+    cfg = model.cfg
+    tensors = model.gguf_tensors()
+    q = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "f16": gguf.GGMLQuantizationType.F16,
+         "f32": gguf.GGMLQuantizationType.F32}[qtype]
+    ftype = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "f32": gguf.LlamaFileType.ALL_F32}[qtype]
+    types = {n: (gguf.GGMLQuantizationType.F32 if _keep_f32(n, a) else q) for n, a in tensors.items()}
+    _write_gguf(path, cfg, vocab, tensors.items(), with_nextn=True, seed=0, variant="default",
+                name="stepmtp stdlib step35 (3 MTP heads)", tokenizer_pre=C.TOKENIZER_PRE,
+                file_type=ftype, tensor_types=types, extra_kv=meta)
+
+
+def check_tokenization(path: Path, docs, tok: C.BPETokenizer) -> int:
+    """llama.cpp's tokenization of every corpus file against ours; returns the mismatches."""
+    from stepmtp import Model
+
+    bad = 0
+    with Model(path) as m:
+        for name, text in docs:
+            if m.tokenize(text, add_special=False) != tok.encode(text):
+                print(f"tokenization differs on {name}", file=sys.stderr)
+                bad += 1
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory for the GGUF")
+    ap.add_argument("--name", default=DEFAULT_MODEL_FILE)
+    ap.add_argument("--quant", choices=["q8_0", "f16", "f32"], default="q8_0")
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--batch", type=int, default=TrainConfig.batch)
+    ap.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--warmup", type=int, default=TrainConfig.warmup)
+    ap.add_argument("--init-std", type=float, default=TrainConfig.init_std)
+    ap.add_argument("--log-every", type=int, default=TrainConfig.log_every)
+    ap.add_argument("--head-weight", type=float, default=TrainConfig.head_weight)
+    ap.add_argument("--distill", type=float, default=TrainConfig.distill)
+    ap.add_argument("--seed", type=int, default=TrainConfig.seed)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--budget-bytes", type=int, default=C.CORPUS_BUDGET_BYTES)
+    ap.add_argument("--max-file-bytes", type=int, default=C.CORPUS_MAX_FILE_BYTES)
+    ap.add_argument("--head-steps", type=int, default=TrainConfig.head_steps)
+    ap.add_argument("--head-lr", type=float, default=TrainConfig.head_lr)
+    ap.add_argument("--head-distill", type=float, default=TrainConfig.head_distill)
+    ap.add_argument("--onpolicy-seqs", type=int, default=TrainConfig.onpolicy_seqs)
+    ap.add_argument("--onpolicy-frac", type=float, default=TrainConfig.onpolicy_frac)
+    ap.add_argument("--init-state", type=Path, help="start from this torch state dict (experiments)")
+    ap.add_argument("--save-torch", type=Path, help="also save the torch state dict here")
+    ap.add_argument("--arch", default="{}", help="JSON overrides of MODEL_CONFIG fields (experiments)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    tc = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                     head_weight=args.head_weight, distill=args.distill, warmup=args.warmup,
+                     head_steps=args.head_steps, head_lr=args.head_lr, head_distill=args.head_distill,
+                     onpolicy_seqs=args.onpolicy_seqs, onpolicy_frac=args.onpolicy_frac,
+                     init_std=args.init_std, log_every=args.log_every)
+    over = json.loads(args.arch)
+    for key in ("swiglu_clamp_exp_trunk", "swiglu_clamp_shexp_trunk"):
+        if key in over:
+            over[key] = tuple(over[key])
+    cfg = replace(MODEL_CONFIG, **over)
+    files = C.corpus_files(args.budget_bytes, args.max_file_bytes)
+    docs = C.read_corpus(files)
+    n_bytes = sum(len(t.encode("utf-8")) for _, t in docs)
+    digest = C.corpus_digest(docs)
+    print(f"corpus: {len(docs)} files, {n_bytes} bytes, sha256 {digest[:16]} (Python {sys.version.split()[0]})")
+    vocab, tok = build_tokenizer(docs, cfg)
+    stream = token_stream(docs, tok)
+    print(f"tokens: {len(stream)} ({n_bytes / len(stream):.2f} bytes/token), vocab {cfg.n_vocab}")
+    print(f"model: {asdict(cfg)}")
+    print(f"train: {asdict(tc)}")
+
+    init = torch.load(args.init_state) if args.init_state else None
+    starts = line_starts(stream, tok, tc.seq_len)
+    print(f"windows start at {len(starts)} line starts")
+    model = train(cfg, tc, stream, starts, vocab, init_state=init)
+    n_params = sum(p.numel() for p in model.parameters())
+    t_train = time.perf_counter() - t_start
+    print(f"trained {n_params} parameters in {t_train:.0f}s")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / args.name
+    meta = {
+        "stepmtp.corpus": f"CPython {sys.version.split()[0]} Lib/*.py, {len(docs)} files, {n_bytes} bytes, "
+                          f"sha256 {digest}",
+        "stepmtp.training": json.dumps({**asdict(tc), "torch": torch.__version__}),
+    }
+    export_gguf(model, vocab, path, args.quant, meta)
+    if args.save_torch:
+        torch.save(model.state_dict(), args.save_torch)
+    print(f"wrote {path} ({path.stat().st_size} bytes)")
+    bad = check_tokenization(path, docs, tok)
+    print(f"tokenization check: {len(docs) - bad}/{len(docs)} files identical in llama.cpp")
+    print(f"total {time.perf_counter() - t_start:.0f}s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
