@@ -64,6 +64,18 @@ def test_batched_equals_alone(tiny, mode, n_max, schedule, files):
         _same(a, b)
 
 
+def test_unified_kv_batched_equals_alone(agree):
+    """-np auto's layout: the target's KV cache shared by the slots (the heads' stays
+    per sequence)."""
+    kw = dict(mode="chain", n_max=3)
+    alone = _alone(agree, PROMPTS, n_predict=48, **kw)
+    with Engine(agree, n_ctx=1024, n_parallel=4, kv_unified=True, debug=True, **kw) as eng:
+        assert eng.n_ctx == 1024 and eng.target.kv_unified and not eng.draft.kv_unified
+        got = eng.generate_many(PROMPTS, n_predict=48, temperature=0)
+    for a, b in zip(got, alone):
+        _same(a, b)
+
+
 def test_different_lengths_and_early_stops_in_one_round(tiny):
     """p-min stops some sequences' drafting early while others go on, lengths and
     stop strings end them at different rounds: each still equals its run alone.
