@@ -43,6 +43,9 @@ def prompt_cost(config: BenchConfig | None, n_heads: int | None, n_prompt: int,
         # the change's schedule processes the prompt with every head it re-anchors
         k = n_heads if config.mode == "chain" else 1
         return chunks, chunks * k, k
+    if config.adaptive:
+        # a head sees the prompt's rows only if the policy ever drafts that deep: unknown
+        return chunks, 0, -1
     # fused: each head used sees the prompt's rows in its first draft decode
     return chunks, 0, min(config.n_max, n_heads) if config.mode == "chain" else 1
 
@@ -78,16 +81,19 @@ def aggregate(results: list[Result], config: BenchConfig | None = None,
         out["tokens_per_round"] = round(pred / n_rounds, 3)
         if all(r.target_decodes is not None for r in results):
             td = dd_ = tr = dr = 0
+            known = True
             for r in results:
                 c_t, c_d, passes = prompt_cost(config, n_heads, r.n_prompt)
                 td += r.target_decodes - c_t
                 dd_ += r.draft_decodes - c_d
                 tr += r.target_rows - r.n_prompt
                 dr += r.draft_rows - passes * r.n_prompt
+                known = known and passes >= 0
             out["target_decodes_per_round"] = round(td / n_rounds, 3)
             out["draft_decodes_per_round"] = round(dd_ / n_rounds, 3)
             out["target_rows_per_round"] = round(tr / n_rounds, 3)
-            out["draft_rows_per_round"] = round(dr / n_rounds, 3)
+            # the draft rows with the prompt's share left out, where it is known
+            out["draft_rows_per_round"] = round(dr / n_rounds, 3) if known else None
             tp = [r.t_python_ms for r in results]
             if all(x is not None for x in tp):
                 tot = sum(r.gen_ms + r.prompt_ms for r in results)
@@ -154,7 +160,7 @@ def markdown(run: BenchRun) -> str:
         depth = " / ".join(_f(x, "{:.2f}") for x in a.get("accept_rate_per_depth", [])) or "–"
         dec = (f"{a['target_decodes_per_round']:.2f} + {a['draft_decodes_per_round']:.2f}"
                if "target_decodes_per_round" in a else "–")
-        rows = (f"{a['target_rows_per_round']:.2f} + {a['draft_rows_per_round']:.2f}"
+        rows = (f"{a['target_rows_per_round']:.2f} + {_f(a['draft_rows_per_round'], '{:.2f}')}"
                 if "target_rows_per_round" in a else "–")
         acc = _f(a["aggregate_accept_rate"]) if c.config.mode != "none" else "–"
         out.append(f"| {c.label} | {acc} | {depth} | {a['tok_s']:.1f} | {_f(a.get('tok_s_ratio'), '{:.2f}')} "
