@@ -107,11 +107,11 @@ class Engine:
                         )
                 else:
                     self.draft_model = self.model
-                # the heads' KV is per sequence whatever the target's is: a head catching
-                # up re-decodes positions another head holds, and their cells must stay
-                # put, which a cache shared by several sequences does not promise
-                ctx_kw["n_ctx"] = self.target.n_ctx_seq * n_parallel
-                self.draft = Context(self.draft_model, mtp=True, kv_unified=n_parallel == 1, **ctx_kw)
+                # each head of each slot is a sequence of the draft context (see
+                # MTPDriver), in one unified cache
+                n_dseq = n_parallel * self.draft_model.n_mtp_blocks
+                ctx_kw.update(n_ctx=self.target.n_ctx_seq * n_dseq, n_seq_max=n_dseq)
+                self.draft = Context(self.draft_model, mtp=True, kv_unified=True, **ctx_kw)
             debug = debug or os.environ.get("STEPMTP_DEBUG", "") not in ("", "0")
             self.driver = MTPDriver(self.target, self.draft, self.spec, n_seq=n_parallel, debug=debug)
             self.slots = Slots(self.driver, self.model, n_parallel)

@@ -203,8 +203,8 @@ class RoundTrace:
     probs: list[float]
     n_accepted: int
     out: list[int]
-    #: the draft context's cells of this sequence after the round (seq_pos_min, seq_pos_max)
-    draft_cells: tuple[int, int]
+    #: each head's cells in the draft context after the round: (seq_pos_min, seq_pos_max)
+    draft_cells: list[tuple[int, int]]
     #: fused schedule: each head's anchored prefix after the round
     kv_valid: list[int]
 
@@ -214,9 +214,14 @@ class MTPDriver:
 
     A round serves every sequence passed to it at once: one target decode carries
     each sequence's ``[id_last, drafts..]``, one draft decode per step carries each
-    still-drafting sequence's rows. ``n_seq`` sequences may be in flight; the draft
-    context needs per-sequence KV (``kv_unified=False``), because a head that catches
-    up re-decodes positions another head already holds, and their cells must not move.
+    still-drafting sequence's rows. ``n_seq`` sequences may be in flight.
+
+    In the draft context each head of each sequence is a sequence of its own
+    (``seq_id * n_heads + k``): a head's KV lives in its own block's layer, and with
+    its own cells one head can be rewound and caught up without touching another's.
+    The draft context needs ``n_seq * n_heads`` sequences and as many times the
+    positions; its cache is best unified, so that a decode carrying rows of several
+    sequences of different lengths stays one ubatch.
 
     ``draft`` may be None for ``mode="none"``. ``debug`` checks the invariant
     ``pending_h == h_tgt(pos(id_last) - 1)`` every round (it keeps every trunk row).
@@ -231,9 +236,10 @@ class MTPDriver:
         self.speculate = spec.mode != "none" and spec.n_max > 0
         if self.speculate and draft is None:
             raise ValueError("speculation needs a draft (MTP) context")
-        if n_seq > 1 and draft is not None and draft.kv_unified:
-            raise ValueError("several sequences need a draft context with per-sequence KV (kv_unified=False)")
         self.n_heads = draft.model.n_mtp_blocks if draft is not None else 0
+        if draft is not None and draft.n_seq_max < n_seq * self.n_heads:
+            raise ValueError(f"the draft context needs {n_seq * self.n_heads} sequences (one per head per "
+                             f"sequence), it has {draft.n_seq_max}")
         self.n_draft = spec.draft_length(self.n_heads) if self.speculate else 0
         self.fused = spec.schedule == "fused"
         # the heads a round can use: the first n_draft when chaining, head 0 alone when
@@ -272,7 +278,12 @@ class MTPDriver:
         for s in seqs:
             st = s.stats
             st.t_llama_ms += dt
-            rows = batch.n if len(seqs) == 1 else batch.rows_of(s.seq_id)
+            if len(seqs) == 1:
+                rows = batch.n
+            elif target:
+                rows = batch.rows_of(s.seq_id)
+            else:
+                rows = sum(batch.rows_of(self._dseq(s, k)) for k in range(self.n_heads))
             if target:
                 st.n_target_decodes += 1
                 st.n_target_rows += rows
@@ -288,9 +299,7 @@ class MTPDriver:
             raise ValueError("empty prompt")
         if len(prompt) >= self.n_ctx_seq:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context ({self.n_ctx_seq})")
-        self.target.seq_rm(s.seq_id)
-        if self.draft is not None:
-            self.draft.seq_rm(s.seq_id)
+        self.release(s.seq_id)
         s.prompt, s.n_prefilled = list(prompt), 0
         s.tokens = list(prompt)
         s.pos, s.id_last = 0, -1
@@ -306,6 +315,17 @@ class MTPDriver:
             s.kv_valid = [0] * self.n_heads
             s.anchors = s.anchors or _Anchors(self.n_embd, 2 * self.n_chunk)
             s.anchors.reset()
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence's KV in both contexts (every head's)."""
+        self.target.seq_rm(seq_id)
+        if self.draft is not None:
+            for k in range(self.n_heads):
+                self.draft.seq_rm(seq_id * self.n_heads + k)
+
+    def _dseq(self, s: SeqState, k: int) -> int:
+        """Head k's sequence in the draft context."""
+        return s.seq_id * self.n_heads + k
 
     def prefill(self, s: SeqState, n_max: int | None = None) -> bool:
         """Decode the next chunk of the prompt (at most ``n_max`` tokens) and anchor
@@ -427,7 +447,8 @@ class MTPDriver:
         if s.policy is not None:
             s.policy.observe(n, a, s.steady)
         if s.trace is not None:
-            cells = (self.draft.seq_pos_min(s.seq_id), self.draft.seq_pos_max(s.seq_id)) if self.draft else (-1, -1)
+            cells = [(self.draft.seq_pos_min(self._dseq(s, k)), self.draft.seq_pos_max(self._dseq(s, k)))
+                     for k in range(self.n_heads)]
             s.trace.append(RoundTrace(r, list(drafts), s.probs[:n], a, out, cells, list(s.kv_valid)))
         return out
 
@@ -454,10 +475,11 @@ class MTPDriver:
             if self.spec.mode == "chain" or i == 0:
                 # chain: head i has no KV past r, it decodes the whole prefix with the
                 # previous heads' output rows as its hidden inputs; single: head 0 starts
-                d.mtp_offset = i if self.spec.mode == "chain" else 0
+                k = i if self.spec.mode == "chain" else 0
+                d.mtp_offset = k
                 for s in active:
-                    d.seq_rm(s.seq_id, s.pos)
-                    j = b.append([s.id_last, *s.drafts], s.pos, s.seq_id, outputs="last")
+                    d.seq_rm(self._dseq(s, k), s.pos)
+                    j = b.append([s.id_last, *s.drafts], s.pos, self._dseq(s, k), outputs="last")
                     b.embd[j] = s.pending_h
                     b.embd[j + 1 : j + 1 + i] = s.chain_h[:i]
                     s.row = b.n - 1
@@ -465,7 +487,8 @@ class MTPDriver:
                 self._grow_single(active, i)
             self._decode_step(active, i)
         for s in seqs:
-            d.seq_rm(s.seq_id, s.pos)
+            for k in self.heads:
+                d.seq_rm(self._dseq(s, k), s.pos)
         self._end_drafts(seqs)
 
     def _process(self, items: list[tuple[SeqState, list[int], int, np.ndarray]]) -> None:
@@ -473,14 +496,18 @@ class MTPDriver:
         rows [pending_h, h_tgt[0], .., h_tgt[n-2]] (right-shifted by one), no outputs."""
         d, b = self.draft, self.dbatch
         b.clear()
+        spans = []
         for s, tokens, p0, h_tgt in items:
-            j = b.append(tokens, p0, s.seq_id, outputs="none")
+            j = b.append(tokens, p0, 0, outputs="none")
             b.embd[j] = s.pending_h
             b.embd[j + 1 : j + len(tokens)] = h_tgt[: len(tokens) - 1]
+            spans.append((s, p0, j, j + len(tokens)))
         seqs = [it[0] for it in items]
         for k in self.process_heads:
-            for s, _, p0, _ in items:
-                d.seq_rm(s.seq_id, p0)
+            # the same rows, into head k's sequences
+            for s, p0, j0, j1 in spans:
+                d.seq_rm(self._dseq(s, k), p0)
+                b.seq[j0:j1] = self._dseq(s, k)
             d.mtp_offset = k
             self._decode(d, b, seqs)
 
@@ -505,11 +532,11 @@ class MTPDriver:
                 for s in active:
                     A = s.anchors
                     a0 = s.kv_valid[k] - A.start
-                    d.seq_rm(s.seq_id, s.kv_valid[k])
-                    b.append(A.tok[a0 : A.n], s.kv_valid[k], s.seq_id, embd=A.h[a0 : A.n])
+                    d.seq_rm(self._dseq(s, k), s.kv_valid[k])
+                    b.append(A.tok[a0 : A.n], s.kv_valid[k], self._dseq(s, k), embd=A.h[a0 : A.n])
                     # then [d1@r+1, .., di@r+i] with the chained rows out_0 .. out_{i-1}
                     if i:
-                        b.append(s.drafts, s.pos + 1, s.seq_id, embd=s.chain_h[:i])
+                        b.append(s.drafts, s.pos + 1, self._dseq(s, k), embd=s.chain_h[:i])
                     s.row = b.n - 1
                     b.logits[s.row] = 1
                     s.kv_valid[k] = s.pos + 1
@@ -529,8 +556,8 @@ class MTPDriver:
                 a0 = s.kv_valid[k] - A.start
                 m = min(self.n_chunk, A.end - s.kv_valid[k] - keep)
                 d.mtp_offset = k
-                d.seq_rm(s.seq_id, s.kv_valid[k])
-                b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], s.seq_id, outputs="none", embd=A.h[a0 : a0 + m])
+                d.seq_rm(self._dseq(s, k), s.kv_valid[k])
+                b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], self._dseq(s, k), outputs="none", embd=A.h[a0 : a0 + m])
                 self._decode(d, b, [s])
                 s.kv_valid[k] += m
         A.drop_before(min(s.kv_valid[k] for k in self.heads))
@@ -541,7 +568,7 @@ class MTPDriver:
         """Single mode after step 0: head 0's own KV holds the round's earlier rows,
         so each sequence adds just its last draft with the last output row."""
         for s in active:
-            s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, s.seq_id, outputs="last",
+            s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, self._dseq(s, 0), outputs="last",
                                        embd=s.chain_h[i - 1 : i])
 
     def _decode_step(self, active: list[SeqState], i: int) -> None:

@@ -288,9 +288,7 @@ class Slots:
             if r.done:
                 self.slots[i] = None
                 # the KV goes now: with a shared (unified) cache the others need the room
-                self.driver.target.seq_rm(i)
-                if self.driver.draft is not None:
-                    self.driver.draft.seq_rm(i)
+                self.driver.release(i)
 
     def drop(self, req: Request) -> None:
         """Cancel ``req`` and free what it holds now (its consumer went away)."""
