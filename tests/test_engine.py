@@ -437,3 +437,19 @@ def test_adaptive_policy_times_a_round_by_what_it_drafted():
     clock.t += 7.0
     pol.choose()
     assert pol.t_round[1] == 7.0 and pol.t_round[3] is None
+
+
+def test_adaptive_policy_times_a_probe_again_once_the_heads_caught_up():
+    from stepmtp.adaptive import AdaptiveLength
+
+    clock = _Clock()
+    pol = AdaptiveLength(3, probe_every=4, clock=clock)
+    chosen = []
+    for _ in range(40):
+        n = pol.choose()
+        chosen.append(n)
+        # drafting never pays; a round after a pause first catches the heads up
+        pol.observe(n, 0, steady=not (n and chosen[-2:-1] == [0]))
+        clock.t += 1.0 + n
+    probes = [i for i, n in enumerate(chosen) if n and i >= 4]
+    assert probes and all(chosen[i + 1] == chosen[i] for i in probes[::2])

@@ -101,8 +101,9 @@ class AdaptiveLength:
     def choose(self) -> int:
         """The draft length for this round (also closes the timing of the last one)."""
         now = self.clock()
-        if self._t_start is not None and self._drafted is not None and self._steady:
-            self.costs.observe(self._drafted, now - self._t_start)
+        last, steady = self._drafted, self._steady
+        if self._t_start is not None and last is not None and steady:
+            self.costs.observe(last, now - self._t_start)
         self._t_start, self._drafted = now, None
         self.round += 1
         lengths = range(self.n_max + 1)
@@ -111,6 +112,10 @@ class AdaptiveLength:
         for n in range(self.n_max, -1, -1):
             if rates[n] is None:
                 return self._pick(n)
+        if self._probe is not None and not steady and last == self._probe:
+            # the probe paid for catching the heads up, so it was not timed: once more,
+            # now that they are up to date, to learn what a round of that length costs
+            return self._pick(self._probe)
         best = max(lengths, key=lambda n: rates[n])
         if self._probe is not None:
             # the last round was a probe: back off if that length still loses
