@@ -79,6 +79,8 @@ class AdaptiveLength:
         self._t_start: float | None = None
         self._drafted: int | None = None  # the length the last round really drafted
         self._steady = True
+        self._best: int | None = None
+        self._recheck = 0
 
     @property
     def t_round(self) -> list[float | None]:
@@ -106,30 +108,44 @@ class AdaptiveLength:
             self.costs.observe(last, now - self._t_start)
         self._t_start, self._drafted = now, None
         self.round += 1
+        if last or self._best is None or self.round >= self._recheck:
+            best = self._decide(last, steady)
+            if best < 0:  # a length to measure
+                return self._pick(-best - 1)
+        else:
+            # plain rounds in a row change nothing but the cost of a plain round: the
+            # rates are looked at again every few rounds (on a small model this runs
+            # once per token, and its arithmetic would be a visible share of it)
+            best = self._best
+        # probe the neighbours of the best length only: a probe pays the heads' catch-up
+        # on the rows they skipped, and a longer round only pays if a shorter one does
+        for n in (best - 1, best + 1):
+            if 0 <= n <= self.n_max and self.round - self.last_tried[n] > self.gap[n]:
+                self._probe = n
+                return self._pick(n)
+        return self._pick(best)
+
+    def _decide(self, last: int | None, steady: bool) -> int:
+        """The best length from the estimates, or -(n + 1) for a length n to
+        measure (first, or again)."""
         lengths = range(self.n_max + 1)
         rates = [self.expected_rate(n) for n in lengths]
         # lengths not measured yet, longest first
         for n in range(self.n_max, -1, -1):
             if rates[n] is None:
-                return self._pick(n)
+                return -n - 1
         if self._probe is not None and not steady and last == self._probe:
             # the probe paid for catching the heads up, so it was not timed: once more,
             # now that they are up to date, to learn what a round of that length costs
-            return self._pick(self._probe)
+            return -self._probe - 1
         best = max(lengths, key=lambda n: rates[n])
         if self._probe is not None:
             # the last round was a probe: back off if that length still loses
             n = self._probe
             self.gap[n] = self.probe_every if n == best else min(2 * self.gap[n], self.max_probe_every)
             self._probe = None
-        # probe the neighbours of the best length only: a probe pays the heads' catch-up
-        # on every row they skipped, and a longer round only pays if a shorter one does
-        near = [n for n in (best - 1, best + 1) if 0 <= n <= self.n_max]
-        overdue = max(near, key=lambda n: self.round - self.last_tried[n] - self.gap[n])
-        if self.round - self.last_tried[overdue] > self.gap[overdue]:
-            self._probe = overdue
-            return self._pick(overdue)
-        return self._pick(best)
+        self._best, self._recheck = best, self.round + 8
+        return best
 
     def _pick(self, n: int) -> int:
         self.last_tried[n] = self.round

@@ -384,6 +384,8 @@ class MTPDriver:
                 # heads that skipped rounds catch up in this one: not a steady round
                 s.steady = not self.fused or min(s.kv_valid[k] for k in self.heads[: max(1, s.n_plan)]) >= \
                     s.pos - self.n_draft
+                if self.fused and s.n_plan:
+                    self._bound_catch_up(s)
             s.drafts = []
         if self.speculate:
             if self.fused:
@@ -546,6 +548,20 @@ class MTPDriver:
         for s in seqs:
             s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
         self._end_drafts(seqs)
+
+    #: adaptive length: the most rows a head catches up on when drafting resumes
+    MAX_CATCH_UP = 256
+
+    def _bound_catch_up(self, s: SeqState) -> None:
+        """Adaptive length: a head that sat out many rounds skips all but the last
+        MAX_CATCH_UP rows it missed (its KV keeps a hole there). Otherwise the round
+        that probes whether drafting pays again would pay for the whole pause first
+        (the prompt included), and probing would cost more than it can win. Drafts
+        only get worse, never wrong: the target verifies them."""
+        floor = s.pos + 1 - self.MAX_CATCH_UP
+        for k in self.heads:
+            if s.kv_valid[k] < floor:
+                s.kv_valid[k] = floor
 
     def _catch_up(self, s: SeqState, keep: int, heads: list[int] | None = None) -> None:
         """Decode, without outputs, the anchored rows of each head beyond the last
