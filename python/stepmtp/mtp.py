@@ -220,8 +220,9 @@ class MTPDriver:
     (``seq_id * n_heads + k``): a head's KV lives in its own block's layer, and with
     its own cells one head can be rewound and caught up without touching another's.
     The draft context needs ``n_seq * n_heads`` sequences and as many times the
-    positions; its cache is best unified, so that a decode carrying rows of several
-    sequences of different lengths stays one ubatch.
+    positions, best as one KV stream per sequence (a head's attention then runs over
+    its own cells only; llama.cpp splits a decode whose sequences carry different
+    row counts into several ubatches, the price of batching there).
 
     ``draft`` may be None for ``mode="none"``. ``debug`` checks the invariant
     ``pending_h == h_tgt(pos(id_last) - 1)`` every round (it keeps every trunk row).
