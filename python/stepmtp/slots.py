@@ -189,8 +189,8 @@ class Request:
 
 
 class Slots:
-    """``n`` slots over one driver; see the module's docstring. ``step`` must be
-    called with the engine's lock held; ``submit`` and ``cancel`` from any thread."""
+    """``n`` slots over one driver; see the module's docstring. ``step`` and ``drop``
+    must be called with the engine's lock held; ``submit`` from any thread."""
 
     def __init__(self, driver: MTPDriver, model: "Model", n: int) -> None:
         self.driver = driver
@@ -214,17 +214,9 @@ class Slots:
         with self._lock:
             self.waiting.append(req)
 
-    def cancel(self, req: Request) -> None:
-        """Stop a request; its slot is freed at the next step (or now, if idle)."""
-        req.cancelled = True
-
     @property
     def n_busy(self) -> int:
         return sum(r is not None for r in self.slots)
-
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and self.n_busy == 0
 
     # -- stepping (engine lock held) ------------------------------------------------
 
@@ -297,15 +289,6 @@ class Slots:
             if req in self.waiting:
                 self.waiting.remove(req)
                 req.fail(_cancelled())
-        self._release_finished()
-
-    def abort_all(self, error: BaseException) -> None:
-        for r in self.slots:
-            if r is not None:
-                r.fail(error)
-        with self._lock:
-            while self.waiting:
-                self.waiting.popleft().fail(error)
         self._release_finished()
 
 
