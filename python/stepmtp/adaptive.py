@@ -75,7 +75,6 @@ class AdaptiveLength:
         # starts from the shared estimates instead of probing at once
         self.last_tried = [0 if t is not None else -(10**9) for t in self.costs.t_round]
         self.round = 0
-        self.chosen = n_max
         self._t_start: float | None = None
         self._drafted: int | None = None  # the length the last round really drafted
         self._steady = True
@@ -108,15 +107,15 @@ class AdaptiveLength:
             self.costs.observe(last, now - self._t_start)
         self._t_start, self._drafted = now, None
         self.round += 1
+        # plain rounds in a row change nothing but the cost of a plain round: the
+        # rates are looked at again every few rounds (on a small model this runs
+        # once per token, and its arithmetic would be a visible share of it)
         if last or self._best is None or self.round >= self._recheck:
-            best = self._decide(last, steady)
-            if best < 0:  # a length to measure
-                return self._pick(-best - 1)
-        else:
-            # plain rounds in a row change nothing but the cost of a plain round: the
-            # rates are looked at again every few rounds (on a small model this runs
-            # once per token, and its arithmetic would be a visible share of it)
-            best = self._best
+            n = self._to_measure(last, steady)
+            if n is not None:
+                return self._pick(n)
+            self._decide()
+        best = self._best
         # probe the neighbours of the best length only: a probe pays the heads' catch-up
         # on the rows they skipped, and a longer round only pays if a shorter one does
         for n in (best - 1, best + 1):
@@ -125,19 +124,22 @@ class AdaptiveLength:
                 return self._pick(n)
         return self._pick(best)
 
-    def _decide(self, last: int | None, steady: bool) -> int:
-        """The best length from the estimates, or -(n + 1) for a length n to
-        measure (first, or again)."""
-        lengths = range(self.n_max + 1)
-        rates = [self.expected_rate(n) for n in lengths]
-        # lengths not measured yet, longest first
+    def _to_measure(self, last: int | None, steady: bool) -> int | None:
+        """A length to run for its timing: one never measured (longest first), or
+        the probe just made, if it was not timed."""
         for n in range(self.n_max, -1, -1):
-            if rates[n] is None:
-                return -n - 1
+            if self.t_round[n] is None:
+                return n
         if self._probe is not None and not steady and last == self._probe:
             # the probe paid for catching the heads up, so it was not timed: once more,
             # now that they are up to date, to learn what a round of that length costs
-            return -self._probe - 1
+            return self._probe
+        return None
+
+    def _decide(self) -> None:
+        """The best length from the estimates (every length has been timed)."""
+        lengths = range(self.n_max + 1)
+        rates = [self.expected_rate(n) for n in lengths]
         best = max(lengths, key=lambda n: rates[n])
         if self._probe is not None:
             # the last round was a probe: back off if that length still loses
@@ -145,7 +147,6 @@ class AdaptiveLength:
             self.gap[n] = self.probe_every if n == best else min(2 * self.gap[n], self.max_probe_every)
             self._probe = None
         self._best, self._recheck = best, self.round + 8
-        return best
 
     def _pick(self, n: int) -> int:
         self.last_tried[n] = self.round

@@ -396,10 +396,6 @@ class Batch:
         self.n = j
         return i
 
-    def rows_of(self, seq: int) -> int:
-        """How many rows of the batch belong to ``seq``."""
-        return int(np.count_nonzero(self.seq[: self.n] == seq))
-
     @property
     def n_outputs(self) -> int:
         return int(self.logits[: self.n].sum())

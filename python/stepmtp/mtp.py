@@ -249,7 +249,6 @@ class MTPDriver:
         # the change's schedule re-anchors every head, used or not, each round
         self.process_heads = list(range(self.n_heads)) if spec.mode == "chain" else [0]
         self.n_embd = target.n_embd
-        self.n_seq = n_seq
         self.n_chunk = target.n_batch if draft is None else min(target.n_batch, draft.n_batch)
         # rows one sequence may put in a shared decode: every sequence's rows must fit
         self.n_rows_seq = self.n_chunk // n_seq
@@ -276,15 +275,14 @@ class MTPDriver:
         ctx.decode(batch)
         dt = (time.perf_counter() - t0) * 1e3
         target = ctx is self.target
+        if len(seqs) > 1:
+            # rows per sequence, once per decode (a draft row's sequence is seq * n_heads + k)
+            owner = batch.seq[: batch.n] // (1 if target else self.n_heads)
+            per_seq = np.bincount(owner, minlength=max(s.seq_id for s in seqs) + 1)
         for s in seqs:
             st = s.stats
             st.t_llama_ms += dt
-            if len(seqs) == 1:
-                rows = batch.n
-            elif target:
-                rows = batch.rows_of(s.seq_id)
-            else:
-                rows = sum(batch.rows_of(self._dseq(s, k)) for k in range(self.n_heads))
+            rows = batch.n if len(seqs) == 1 else int(per_seq[s.seq_id])
             if target:
                 st.n_target_decodes += 1
                 st.n_target_rows += rows
@@ -328,12 +326,12 @@ class MTPDriver:
         """Head k's sequence in the draft context."""
         return s.seq_id * self.n_heads + k
 
-    def prefill(self, s: SeqState, n_max: int | None = None) -> bool:
-        """Decode the next chunk of the prompt (at most ``n_max`` tokens) and anchor
-        the heads on it; after the last chunk, sample the first token. True when done."""
+    def prefill(self, s: SeqState) -> bool:
+        """Decode the next chunk of the prompt and anchor the heads on it; after the
+        last chunk, sample the first token. True when done."""
         t0 = time.perf_counter()
         a, n = s.n_prefilled, len(s.prompt)
-        chunk = s.prompt[a : a + min(self.n_chunk, n_max or self.n_chunk)]
+        chunk = s.prompt[a : a + self.n_chunk]
         last = a + len(chunk) == n
         self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
         self._decode(self.target, self.tbatch, [s])
@@ -369,12 +367,10 @@ class MTPDriver:
 
     # -- one round ----------------------------------------------------------------
 
-    def round(self, seqs: SeqState | list[SeqState]) -> list[list[int]] | list[int]:
+    def round(self, seqs: list[SeqState]) -> list[list[int]]:
         """One draft / verify / (process) / accept round for every sequence in
         ``seqs``; returns, per sequence, the tokens it emits (the accepted drafts and
-        the target's own next token). A single SeqState gets its list directly."""
-        if isinstance(seqs, SeqState):
-            return self.round([seqs])[0]
+        the target's own next token)."""
         for s in seqs:
             if self.debug and self.speculate:
                 self._check_invariant(s)

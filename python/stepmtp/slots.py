@@ -131,7 +131,6 @@ class Request:
         self.completion: Completion | None = None
         self.error: BaseException | None = None
         self.cancelled = False
-        self.slot = -1
         self._t_gen = 0.0
 
     @property
@@ -261,7 +260,6 @@ class Slots:
                 except ValueError:
                     return
                 req = self.waiting.popleft()
-                req.slot = slot
                 req.state.seq_id = slot
                 try:
                     self.driver.start(req.state, req.prompt_tokens)

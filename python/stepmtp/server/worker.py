@@ -21,15 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine import Chunk, Completion, Engine
+from ..slots import Cancelled
 from ..sampling import SamplingParams
 
 log = logging.getLogger("stepmtp.server")
 
 __all__ = ["GenRequest", "Job", "Worker", "Channel", "Cancelled"]
-
-
-class Cancelled(Exception):
-    """The job was cancelled before it finished."""
 
 
 class Channel:
@@ -121,7 +118,7 @@ class Worker:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self.running: dict[int, Job] = {}
         self._stopping = False
-        n = getattr(engine, "n_parallel", 1)
+        n = engine.n_parallel
         self._threads = [threading.Thread(target=self._loop, name=f"stepmtp-slot-{i}", daemon=True)
                          for i in range(n)]
         for t in self._threads:
@@ -135,9 +132,6 @@ class Worker:
     def n_running(self) -> int:
         return len(self.running)
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.running)
 
     def submit(self, job: Job) -> None:
         if self._stopping:
