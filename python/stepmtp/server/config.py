@@ -52,7 +52,7 @@ class ServerConfig:
     n_ubatch: int = 512
     #: -np as given (-1: auto: 4 slots sharing a unified KV cache, as llama-server)
     n_parallel: int = -1
-    #: -kvu / -no-kvu; None: unified when -np is auto or 1
+    #: -kvu / -no-kvu; None: unified when -np is auto (llama-server's default)
     kv_unified: bool | None = None
     #: --slots / --no-slots: the /slots endpoint
     endpoint_slots: bool = True
@@ -95,7 +95,7 @@ class ServerConfig:
     def unified_kv(self) -> bool:
         if self.kv_unified is not None:
             return self.kv_unified
-        return self.n_parallel <= 1
+        return self.n_parallel < 0
 
     @property
     def seed_u32(self) -> int:
