@@ -14,6 +14,17 @@ and the machine: after ``probe_every`` rounds, a gap that doubles each time a pr
 loses (up to ``max_probe_every``) and resets when one wins, so a length that never
 pays is almost never paid for.
 
+The acceptance per depth is a sequence's own recent record, pulled towards the
+engine's long-run rate: both counts fade by ``accept_decay`` each *round*, drafted
+or not, and the engine's rate weighs as ``prior_weight`` rounds. So a few rejections
+in a row do not stop drafting (on the bench-size model a one-draft round pays with
+a first-draft acceptance above ~0.5, and the text's rate of ~0.65 dips below that
+for a handful of rounds all the time; a plain EMA stopped drafting then, and with
+no drafts nothing told it to start again until the next probe, 32 rounds on); and
+while a sequence does not draft, its estimate drifts back to what drafting earns
+on this engine, so it resumes by itself where drafting pays, and stays off where
+it never does (the random-weight model: the engine's rate is ~0).
+
 Plain floats, not numpy: this runs every round, and with n_max <= 3 numpy's
 per-call overhead would cost more than the arithmetic.
 """
@@ -40,37 +51,53 @@ class RoundCosts:
     and the acceptance per depth seen lately, a new sequence's starting estimate
     (so that it does not start by drafting where drafting has not been paying)."""
 
-    def __init__(self, n_max: int, decay: float = 0.9) -> None:
+    def __init__(self, n_max: int, decay: float = 0.9, accept_decay: float = 0.99) -> None:
         self.decay = decay
+        self.accept_decay = accept_decay
         self.t_round: list[float | None] = [None] * (n_max + 1)
         self._n = [0] * (n_max + 1)
         self.accept: list[float | None] = [None] * n_max
         self._n_accept = [0] * n_max
+        self._warm = [False] * (n_max + 1)
 
     def observe(self, n: int, seconds: float) -> None:
+        if not self._warm[n]:
+            # a length's first round on this engine pays for llama.cpp setting up
+            # that batch shape (seen: 2-3x a later round's time): not its cost
+            self._warm[n] = True
+            return
         _ema(self.t_round, self._n, n, seconds, self.decay)
 
     def observe_accept(self, depth: int, accepted: bool) -> None:
-        _ema(self.accept, self._n_accept, depth, 1.0 if accepted else 0.0, self.decay)
+        # the long-run rate (a slow average): the prior of every sequence's estimate
+        _ema(self.accept, self._n_accept, depth, 1.0 if accepted else 0.0, self.accept_decay)
 
 
 class AdaptiveLength:
     """Per-sequence draft-length policy (acceptance depends on the text; the costs
     are the machine's but cheap to learn again). ``clock``: seconds, for tests."""
 
-    def __init__(self, n_max: int, *, decay: float = 0.9, probe_every: int = 32, max_probe_every: int = 1024,
-                 prior_accept: float = 0.5, costs: RoundCosts | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    #: the length in use stays while its expected rate is within this share of the best
+    HYSTERESIS = 0.97
+
+    def __init__(self, n_max: int, *, decay: float = 0.9, accept_decay: float = 0.97, prior_weight: float = 8.0,
+                 probe_every: int = 32, max_probe_every: int = 1024, prior_accept: float = 0.5,
+                 costs: RoundCosts | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.n_max = n_max
         self.decay = decay
+        self.accept_decay = accept_decay
+        self.prior_weight = prior_weight
+        self.prior_accept = prior_accept
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
         self.gap = [probe_every] * (n_max + 1)  # rounds until a length is probed again
         self._probe: int | None = None  # the length the last round probed
         self.clock = clock
         self.costs = costs or RoundCosts(n_max, decay)
-        self.accept = [prior_accept if a is None else a for a in self.costs.accept]
-        self._n_accept = [0] * n_max
+        # per depth: accepted and judged drafts, both fading per round (see the module)
+        self._acc = [0.0] * n_max
+        self._judged = [0.0] * n_max
+        self._faded = 0  # the round up to which they have faded
         # a length whose cost the engine knows counts as just tried: a new sequence
         # starts from the shared estimates instead of probing at once
         self.last_tried = [0 if t is not None else -(10**9) for t in self.costs.t_round]
@@ -85,19 +112,37 @@ class AdaptiveLength:
     def t_round(self) -> list[float | None]:
         return self.costs.t_round
 
-    def expected_tokens(self, n: int) -> float:
+    def _fade(self) -> None:
+        k = self.round - self._faded
+        if k > 0:
+            f = self.accept_decay ** k
+            self._acc = [x * f for x in self._acc]
+            self._judged = [x * f for x in self._judged]
+            self._faded = self.round
+
+    @property
+    def accept(self) -> list[float]:
+        """The acceptance estimate per depth: this sequence's recent record, pulled
+        towards the engine's long-run rate."""
+        self._fade()
+        w = self.prior_weight
+        prior = [self.prior_accept if p is None else p for p in self.costs.accept]
+        return [(a + w * p) / (j + w) for a, j, p in zip(self._acc, self._judged, prior)]
+
+    def expected_tokens(self, n: int, accept: list[float] | None = None) -> float:
+        accept = self.accept if accept is None else accept
         total, p = 1.0, 1.0
         for d in range(n):
-            p *= self.accept[d]
+            p *= accept[d]
             total += p
         return total
 
-    def expected_rate(self, n: int) -> float | None:
+    def expected_rate(self, n: int, accept: list[float] | None = None) -> float | None:
         """Expected tokens per second of a round drafting n tokens (None: not measured)."""
         t = self.t_round[n]
         if t is None:
             return None
-        return self.expected_tokens(n) / t if t > 0 else float("inf")
+        return self.expected_tokens(n, accept) / t if t > 0 else float("inf")
 
     def choose(self) -> int:
         """The draft length for this round (also closes the timing of the last one)."""
@@ -139,8 +184,14 @@ class AdaptiveLength:
     def _decide(self) -> None:
         """The best length from the estimates (every length has been timed)."""
         lengths = range(self.n_max + 1)
-        rates = [self.expected_rate(n) for n in lengths]
+        accept = self.accept
+        rates = [self.expected_rate(n, accept) for n in lengths]
         best = max(lengths, key=lambda n: rates[n])
+        cur = self._best
+        if cur is not None and rates[cur] >= self.HYSTERESIS * rates[best]:
+            # within the estimates' noise: switching has a price (heads left behind
+            # catch up later), staying has none
+            best = cur
         if self._probe is not None:
             # the last round was a probe: back off if that length still loses
             n = self._probe
@@ -159,9 +210,11 @@ class AdaptiveLength:
         ``steady``: the heads were up to date before it; a round that first caught
         them up on many skipped rows is not timed (that is the price of switching
         drafting back on, paid once, not the cost of a round of that length)."""
+        self._fade()
         for d in range(min(n_drafted, self.n_max)):
             ok = d < n_accepted
-            _ema(self.accept, self._n_accept, d, 1.0 if ok else 0.0, self.decay)
+            self._acc[d] += ok
+            self._judged[d] += 1.0
             self.costs.observe_accept(d, ok)
             if not ok:
                 break  # later drafts were never judged
