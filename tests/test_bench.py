@@ -114,9 +114,19 @@ def test_cli_compare_verify_and_adaptive(tmp_path, capsys):
     assert labels == ["none-t0.3", "chain-3-t0.3-exact", "chain-3-t0.3-rej", "none-t0.7", "chain-3-t0.7-exact",
                       "chain-3-t0.7-rej", "none-t1", "chain-3-t1-exact", "chain-3-t1-rej"]
     assert "Sampled: 9 configurations" in capsys.readouterr().out
-    assert bench_main(["-m", str(model), "--compare", "adaptive", "--limit", "2", "-n", "24", "-t", "1", "-q"]) == 0
+    js = tmp_path / "a.json"
+    assert bench_main(["-m", str(model), "--compare", "adaptive", "--limit", "2", "-n", "24", "-t", "1", "-q",
+                       "--repeat", "2", "--json", str(js)]) == 0
     out = capsys.readouterr().out
     assert "| chain-3-adapt |" in out and "identical across the 5 configurations" in out
+    # per prompt: every configuration's speed with the repeats' spread, and the
+    # adaptive length against the fastest fixed one
+    assert "| category | none | chain-1 | chain-2 | chain-3 | chain-3-adapt | chain-3-adapt / best fixed |" in out
+    doc = json.loads(js.read_text())
+    for c in doc["configs"]:
+        assert all(len(r["gen_ms_repeats"]) == 2 for r in c["requests"])
+        # adaptive draft counts follow measured times, so repeats may differ: not "unstable"
+        assert c["unstable"] == []
 
 
 # -- prompt sets -------------------------------------------------------------------------

@@ -99,18 +99,20 @@ def _first_diff(a: str, b: str) -> int:
     return min(len(a), len(b))
 
 
-def _merge(rs: list[Result]) -> tuple[Result, bool]:
+def _merge(rs: list[Result], timed_counts: bool = False) -> tuple[Result, bool]:
     """One Result from repeats: counts and text of the first, the best (lowest) times
-    (interference from other load only ever adds time); and whether the repeats
-    disagreed on counts or text."""
+    (interference from other load only ever adds time), every repeat's time; and
+    whether the repeats disagreed on text, or on counts unless ``timed_counts`` (an
+    adaptive length drafts by measured times, so its counts vary; its text may not)."""
     r0 = rs[0]
     if len(rs) == 1:
         return r0, False
-    stable = all(r.counts() == r0.counts() and r.text == r0.text for r in rs[1:])
+    stable = all(r.text == r0.text and (timed_counts or r.counts() == r0.counts()) for r in rs[1:])
     m = Result(**{**r0.__dict__})
     best = min(rs, key=lambda r: r.gen_ms)
     m.gen_ms, m.prompt_ms, m.t_python_ms = best.gen_ms, best.prompt_ms, best.t_python_ms
     m.wall_s = min(r.wall_s for r in rs)
+    m.gen_ms_repeats = [r.gen_ms for r in rs]
     return m, not stable
 
 
@@ -157,7 +159,7 @@ def run_bench(prompts: PromptSet, runners: Sequence[Runner], *, repeat: int = 1,
     for r in runners:
         cr = ConfigRun(r.config, info=infos[r.config.label])
         for p in prompts.prompts:
-            m, unstable = _merge(raw[r.config.label][p.category])
+            m, unstable = _merge(raw[r.config.label][p.category], timed_counts=r.config.adaptive)
             cr.results.append(m)
             if unstable:
                 cr.unstable.append(p.category)

@@ -177,6 +177,7 @@ def markdown(run: BenchRun) -> str:
         for i, p in enumerate(run.prompts.prompts):
             out.append(f"| {p.category} | " + " | ".join(f"{c.results[i].rate:.3f}" for c in spec) + " |")
         out.append("")
+    out += _speeds(run)
     if run.mismatches:
         out.append(f"**MISMATCH**: {len(run.mismatches)} outputs differ from {run.configs[0].label} at temperature 0: "
                    + ", ".join(f"{m.label}/{m.category} (char {m.at})" for m in run.mismatches))
@@ -195,6 +196,42 @@ def markdown(run: BenchRun) -> str:
                 f"llama.cpp {str(env.get('llama_cpp_commit'))[:10]}, stepmtp {env.get('stepmtp')}"
                 f"{' @ ' + env['git_commit'][:10] if env.get('git_commit') else ''}"]
     return "\n".join(out) + "\n"
+
+
+def _fixed_peers(run: BenchRun, a: ConfigRun) -> list[ConfigRun]:
+    """The fixed-length runs an adaptive one competes with: same backend, mode,
+    temperature and verification, n-max 1 up to its bound."""
+    return [c for c in run.configs
+            if not c.config.adaptive and c.config.family == a.config.family and c.config.mode == a.config.mode
+            and c.config.temperature == a.config.temperature and c.config.verify == a.config.verify
+            and 1 <= c.config.n_max <= a.config.n_max]
+
+
+def _speeds(run: BenchRun) -> list[str]:
+    """tok/s per prompt and configuration (with repeats: the best, ± how much the
+    repeats differed); for an adaptive length, its ratio to the fastest fixed length
+    on that prompt."""
+    repeats = run.settings.get("repeat", 1) > 1
+    adapt = [(a, peers) for a in run.configs if a.config.adaptive and (peers := _fixed_peers(run, a))]
+    if len(run.configs) < 2 or not (repeats or adapt):
+        return []
+    out = ["tok/s per prompt" + (" (best of the repeats, ± how much they differed)" if repeats else "")
+           + "".join(f"; {a.label} / best fixed: its ratio to the fastest of {', '.join(c.label for c in peers)}"
+                     + (" (± the larger spread of the two)" if repeats else "") for a, peers in adapt) + ":", "",
+           "| category | " + " | ".join(c.label for c in run.configs)
+           + "".join(f" | {a.label} / best fixed" for a, _ in adapt) + " |",
+           "|---|" + "---|" * (len(run.configs) + len(adapt))]
+    for i, p in enumerate(run.prompts.prompts):
+        cells = [f"{c.results[i].tok_s:.1f}" + (f" ±{c.results[i].spread:.0%}" if repeats else "")
+                 for c in run.configs]
+        for a, peers in adapt:
+            best = max(peers, key=lambda c: c.results[i].tok_s)
+            ra, rb = a.results[i], best.results[i]
+            ratio = ra.tok_s / rb.tok_s if rb.tok_s else 0.0
+            noise = f" ±{max(ra.spread, rb.spread):.0%}" if repeats else ""
+            cells.append(f"{ratio:.2f}{noise} ({best.label})")
+        out.append(f"| {p.category} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def to_json(run: BenchRun) -> dict[str, Any]:

@@ -214,6 +214,8 @@ class Result:
     target_rows: int | None = None
     draft_rows: int | None = None
     t_python_ms: float | None = None
+    #: with --repeat: every repeat's generation time (gen_ms is the best of them)
+    gen_ms_repeats: list[float] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -222,6 +224,13 @@ class Result:
     @property
     def tok_s(self) -> float:
         return 1e3 * self.predicted / self.gen_ms if self.gen_ms > 0 else 0.0
+
+    @property
+    def spread(self) -> float:
+        """How much the repeats' speeds differed: slowest / fastest time - 1 (0 with
+        one run). The noise a comparison of this prompt's speeds has to allow for."""
+        ts = self.gen_ms_repeats
+        return max(ts) / min(ts) - 1.0 if len(ts) > 1 and min(ts) > 0 else 0.0
 
     def counts(self) -> dict[str, Any]:
         """What is deterministic at temperature 0."""
