@@ -335,6 +335,7 @@ class Batch:
         self.seq = np.zeros(capacity, dtype=np.int32)
         self.logits = np.zeros(capacity, dtype=np.int8)
         self.embd = np.zeros((capacity, n_embd), dtype=np.float32) if n_embd else None
+        self._steps = np.arange(capacity, dtype=np.int32)  # pos0 + these: consecutive positions
         self._n_seq_id = np.ones(capacity, dtype=np.int32)
         self._seq_base = ffi.from_buffer("llama_seq_id[]", self.seq)
         self._seq_ptrs = ffi.new("llama_seq_id *[]", capacity)
@@ -381,7 +382,7 @@ class Batch:
             raise ValueError(f"{i + n} tokens exceed the batch capacity {self.capacity}")
         j = i + n
         self.token[i:j] = tokens
-        self.pos[i:j] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        np.add(self._steps[:n], pos0, out=self.pos[i:j])
         self.seq[i:j] = seq
         if isinstance(outputs, str):
             self.logits[i:j] = 1 if outputs == "all" else 0
@@ -516,8 +517,16 @@ class Context(_Closing):
             raise ValueError("an MTP context needs a batch with hidden rows (Batch(n, n_embd=...))")
         if batch.embd is not None and batch.n_embd != self.n_embd:
             raise ValueError(f"batch hidden rows have {batch.n_embd} columns, the model {self.n_embd}")
-        toks = batch.token[: batch.n]
-        if toks.min() < 0 or toks.max() >= self.n_vocab:
+        n = batch.n
+        if n <= 64:
+            # a round's batches are a few rows: two numpy reductions would cost more
+            # than the Python over a list
+            toks = batch.token[:n].tolist()
+            lo, hi = min(toks), max(toks)
+        else:
+            toks = batch.token[:n]
+            lo, hi = toks.min(), toks.max()
+        if lo < 0 or hi >= self.n_vocab:
             raise ValueError(f"token id out of range [0, {self.n_vocab})")
         with ErrorCapture() as cap:
             rc = lib.llama_decode(self.ptr, batch.c)
