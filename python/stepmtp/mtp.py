@@ -167,8 +167,10 @@ class SeqState:
     rejection: bool = False
     #: adaptive draft length (SpecConfig.adaptive): chooses n for each round
     policy: AdaptiveLength | None = None
-    #: fused schedule: head k is anchored on positions [0, kv_valid[k])
+    #: fused schedule: head k is anchored on positions [0, kv_valid[k]); it holds cells
+    #: up to kv_end[k] (exclusive): past kv_valid, the chained rows it last drafted from
     kv_valid: list[int] = field(default_factory=list)
+    kv_end: list[int] = field(default_factory=list)
     anchors: _Anchors | None = None
     #: prompt processing: the prompt, and how much of it the target has decoded
     prompt: list[int] = field(default_factory=list)
@@ -312,6 +314,7 @@ class MTPDriver:
         s.q = np.zeros((max(1, self.n_draft), self.target.n_vocab)) if s.rejection and self.speculate else None
         if self.fused and self.speculate:
             s.kv_valid = [0] * self.n_heads
+            s.kv_end = [0] * self.n_heads
             s.anchors = s.anchors or _Anchors(self.n_embd, 2 * self.n_chunk)
             s.anchors.reset()
 
@@ -531,7 +534,7 @@ class MTPDriver:
                 for s in active:
                     A = s.anchors
                     a0 = s.kv_valid[k] - A.start
-                    d.seq_rm(self._dseq(s, k), s.kv_valid[k])
+                    self._trim(s, k)
                     b.append(A.tok[a0 : A.n], s.kv_valid[k], self._dseq(s, k), embd=A.h[a0 : A.n])
                     # then [d1@r+1, .., di@r+i] with the chained rows out_0 .. out_{i-1}
                     if i:
@@ -539,6 +542,7 @@ class MTPDriver:
                     s.row = b.n - 1
                     b.logits[s.row] = 1
                     s.kv_valid[k] = s.pos + 1
+                    s.kv_end[k] = s.pos + 1 + i
             else:
                 self._grow_single(active, i)
             self._decode_step(active, i)
@@ -558,7 +562,8 @@ class MTPDriver:
         floor = s.pos + 1 - self.MAX_CATCH_UP
         for k in self.heads:
             if s.kv_valid[k] < floor:
-                s.kv_valid[k] = floor
+                self._trim(s, k)  # the chained rows of its last draft are not anchored rows
+                s.kv_valid[k] = s.kv_end[k] = floor
 
     def _catch_up(self, s: SeqState, keep: int, heads: list[int] | None = None) -> None:
         """Decode, without outputs, the anchored rows of each head beyond the last
@@ -569,11 +574,19 @@ class MTPDriver:
                 a0 = s.kv_valid[k] - A.start
                 m = min(self.n_chunk, A.end - s.kv_valid[k] - keep)
                 d.mtp_offset = k
-                d.seq_rm(self._dseq(s, k), s.kv_valid[k])
+                self._trim(s, k)
                 b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], self._dseq(s, k), outputs="none", embd=A.h[a0 : a0 + m])
                 self._decode(d, b, [s])
                 s.kv_valid[k] += m
+                s.kv_end[k] = s.kv_valid[k]
         A.drop_before(min(s.kv_valid[k] for k in self.heads))
+
+    def _trim(self, s: SeqState, k: int) -> None:
+        """Drop head k's cells past its anchored prefix (the chained rows of its last
+        draft), if it has any: llama.cpp's seq_rm scans every cell of the stream."""
+        if s.kv_end[k] > s.kv_valid[k]:
+            self.draft.seq_rm(self._dseq(s, k), s.kv_valid[k])
+            s.kv_end[k] = s.kv_valid[k]
 
     # -- shared pieces -------------------------------------------------------------
 
@@ -583,6 +596,8 @@ class MTPDriver:
         for s in active:
             s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, self._dseq(s, 0), outputs="last",
                                        embd=s.chain_h[i - 1 : i])
+            if s.kv_end:
+                s.kv_end[0] = s.pos + i + 1
 
     def _decode_step(self, active: list[SeqState], i: int) -> None:
         """Run draft step i's decode and take each sequence's draft token."""
