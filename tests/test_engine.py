@@ -380,6 +380,20 @@ def test_adaptive_length_stays_exact_and_backs_off_when_drafts_fail(tiny, greedy
     assert sum(outs[True].stats.rounds_by_length[1:]) >= 4  # every length was measured
 
 
+
+def test_adaptive_length_times_plain_rounds_while_the_heads_fall_behind(tiny, monkeypatch):
+    """A plain round catches no head up, so it is always timed ("steady"), however far
+    behind the heads are (once it was not: a sequence that still had to time a plain
+    round stayed at plain rounds for good, never timing one)."""
+    from stepmtp.adaptive import AdaptiveLength
+
+    seen = []
+    monkeypatch.setattr(AdaptiveLength, "choose", lambda self: 0)
+    monkeypatch.setattr(AdaptiveLength, "observe", lambda self, n, a, steady=True: seen.append((n, steady)))
+    with Engine(tiny["embedded"], mode="chain", adaptive=True, n_ctx=512) as eng:
+        eng.generate("def g", n_predict=40, temperature=0)
+    assert len(seen) > 30 and all(n == 0 and steady for n, steady in seen), seen
+
 class _Clock:
     """A fake clock the tests advance by each round's cost."""
 
@@ -402,7 +416,10 @@ def test_adaptive_policy_picks_the_best_rate():
         pol.observe(n, min(n, 2))
         clock.t += 2 + n
     # E[tokens] = 1, 2, 3, 3 for n = 0..3; costs 2, 3, 4, 5
-    assert [pol.expected_rate(n) for n in range(4)] == pytest.approx([0.5, 0.667, 0.75, 0.6], abs=0.01)
+    # the estimates are this sequence's record pulled towards the engine's long-run
+    # rate (the same drafts, plus its prior): near the exact 0.5, 0.667, 0.75, 0.6
+    rates = [pol.expected_rate(n) for n in range(4)]
+    assert rates == pytest.approx([0.5, 0.667, 0.75, 0.6], abs=0.05)
     assert pol.choose() == 2
 
 
@@ -419,9 +436,11 @@ def test_adaptive_policy_backs_off_and_probes():
         pol.observe(n, 0)
         clock.t += 0.3 * n + 1.0 + 0.05 * (n + 1)
     assert chosen[:8] == [3, 3, 2, 2, 1, 1, 0, 0]  # every length measured first (its first round warms up)
-    assert chosen.count(0) > 0.98 * len(chosen)  # then plain decoding...
-    probes = [i for i, n in enumerate(chosen) if n and i >= 8]
-    assert {chosen[i] for i in probes} == {1}  # ...probing the next length only,
+    assert chosen.count(0) > 0.95 * len(chosen)  # then plain decoding...
+    # ...probing the next length (once in a long while the long-run estimate, drifting
+    # back to its prior without evidence, tries a longer one once),
+    assert chosen[8:].count(1) >= 10 and chosen[8:].count(2) + chosen[8:].count(3) <= 2
+    probes = [i for i in range(8, len(chosen)) if chosen[i] == 1 and chosen[i - 1] != 1]  # (a probe runs a few rounds)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(gaps) >= 2 and gaps == sorted(gaps) and gaps[-1] >= 2 * gaps[0]  # less and less often
 
@@ -496,4 +515,26 @@ def test_adaptive_policy_resumes_drafting_after_a_bad_stretch():
     bad, good = [False] * 30, [True] * 150
     chosen = _run_policy(pol, clock, bad + good, lambda n: 1.0 + 0.5 * n)
     assert 0 in chosen[:30]  # it stopped...
-    assert all(n == 1 for n in chosen[-80:])  # ...and resumed
+    assert chosen[-80:].count(1) >= 76  # ...and resumed (a probe of 0 now and then)
+
+
+def test_adaptive_policy_is_not_settled_by_an_engines_first_rounds():
+    """The engine's first rounds (measuring every length) happen to reject every
+    draft; afterwards the text's first drafts are accepted 64% of the time, and a
+    one-draft round costs 1.41 plain ones (the bench-size model's figures): drafting
+    pays. Later requests must still draft (a long-run rate made of those first few
+    drafts once kept every later request at 0)."""
+    import random
+
+    from stepmtp.adaptive import AdaptiveLength, RoundCosts
+
+    clock = _Clock()
+    costs = RoundCosts(3)
+    cost = lambda n: 1.0 + 0.41 * n  # noqa: E731
+    _run_policy(AdaptiveLength(3, costs=costs, clock=clock), clock, [False] * 8, cost)
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(5):  # five requests of 200 rounds
+        pol = AdaptiveLength(3, costs=costs, clock=clock)
+        chosen += _run_policy(pol, clock, [rng.random() < 0.64 for _ in range(200)], cost)
+    assert chosen[600:].count(1) > 0.8 * len(chosen[600:]), [chosen.count(n) for n in range(4)]

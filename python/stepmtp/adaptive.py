@@ -8,22 +8,32 @@ next: the draft steps, the verification, the heads catching up, and everything
 Python does around them (on a small model that overhead decides whether drafting
 pays at all, and a cost model of the decodes alone would miss it). The policy picks
 argmax E[n] / T[n] for n in 0..n_max; 0 means a plain decode this round. Every
-length is tried once at the start; afterwards the lengths next to the best one are
-probed when they have not been tried for a while, so the estimates follow the text
-and the machine: after ``probe_every`` rounds, a gap that doubles each time a probe
-loses (up to ``max_probe_every``) and resets when one wins, so a length that never
-pays is almost never paid for.
+length is tried at the start (twice: a length's first round on an engine pays for
+llama.cpp setting that batch shape up); afterwards the lengths next to the best
+one are probed when they have not been tried for a while, so the estimates follow
+the text and the machine: after ``probe_every`` rounds, a gap that doubles each
+time a probe loses (up to ``max_probe_every``) and resets when one wins, so a
+length that never pays is almost never paid for. The gaps are the engine's: a new
+request does not start by probing what the ones before it found not to pay. A probe
+that drafts again after plain rounds runs a few rounds, since one draft says little.
 
 The acceptance per depth is a sequence's own recent record, pulled towards the
-engine's long-run rate: both counts fade by ``accept_decay`` each *round*, drafted
-or not, and the engine's rate weighs as ``prior_weight`` rounds. So a few rejections
-in a row do not stop drafting (on the bench-size model a one-draft round pays with
-a first-draft acceptance above ~0.5, and the text's rate of ~0.65 dips below that
-for a handful of rounds all the time; a plain EMA stopped drafting then, and with
-no drafts nothing told it to start again until the next probe, 32 rounds on); and
-while a sequence does not draft, its estimate drifts back to what drafting earns
-on this engine, so it resumes by itself where drafting pays, and stays off where
-it never does (the random-weight model: the engine's rate is ~0).
+engine's long-run rate: the counts fade by ``accept_decay`` each *round*, drafted
+or not, and the engine's rate weighs as ``prior_weight`` drafts. So a few rejections
+in a row do not stop drafting (on the bench-size model a one-draft round pays above
+a first-draft acceptance of ~0.41, and the text's ~0.64 dips below that for a
+handful of rounds all the time; a plain moving average stopped drafting then, and
+with no drafts nothing told it to start again until the next probe, 32 rounds on);
+and while a sequence does not draft, its estimate drifts back to what drafting
+earns on this engine, so it resumes by itself where drafting pays. The engine's
+rate itself fades with rounds towards an optimistic prior (0.75): where nobody
+drafts, the evidence against drafting ages, and drafting is tried again now and
+then (on the random-weight model that costs under 1%; without it, a few unlucky
+drafts early in an engine's life could keep it from ever drafting).
+
+A drafting length in use is kept while its expected rate is within 3% of the best
+one's; plain rounds are left as soon as drafting looks better (they teach nothing
+about the acceptance).
 
 Plain floats, not numpy: this runs every round, and with n_max <= 3 numpy's
 per-call overhead would cost more than the arithmetic.
@@ -48,17 +58,27 @@ def _ema(values: list, counts: list[int], i: int, x: float, decay: float) -> Non
 class RoundCosts:
     """What one engine's sequences share: seconds per round by draft length (the
     machine's and the model's: a new request does not pay to measure them again),
-    and the acceptance per depth seen lately, a new sequence's starting estimate
-    (so that it does not start by drafting where drafting has not been paying)."""
+    and the long-run acceptance per depth, the prior of every sequence's estimate:
+    accepted and judged drafts fading by ``accept_decay`` per draft judged, plus
+    ``prior_weight`` drafts at ``prior_accept`` (so that the few drafts of an
+    engine's first rounds cannot settle it: three rejections there once made every
+    later sequence believe drafting never pays)."""
 
-    def __init__(self, n_max: int, decay: float = 0.9, accept_decay: float = 0.99) -> None:
+    def __init__(self, n_max: int, decay: float = 0.9, accept_decay: float = 0.99, prior_accept: float = 0.75,
+                 prior_weight: float = 2.0, round_decay: float = 0.995) -> None:
         self.decay = decay
         self.accept_decay = accept_decay
+        self.round_decay = round_decay
+        self.rounds = 0  # rounds of any sequence: the record also fades with them
+        self._faded = 0
+        self.prior_accept = prior_accept
+        self.prior_weight = prior_weight
         self.t_round: list[float | None] = [None] * (n_max + 1)
         self._n = [0] * (n_max + 1)
-        self.accept: list[float | None] = [None] * n_max
-        self._n_accept = [0] * n_max
+        self._acc = [0.0] * n_max
+        self._judged = [0.0] * n_max
         self._warm = [False] * (n_max + 1)
+        self.gap: list[int] | None = None  # AdaptiveLength's probe gaps, shared
 
     def observe(self, n: int, seconds: float) -> None:
         if not self._warm[n]:
@@ -69,31 +89,56 @@ class RoundCosts:
         _ema(self.t_round, self._n, n, seconds, self.decay)
 
     def observe_accept(self, depth: int, accepted: bool) -> None:
-        # the long-run rate (a slow average): the prior of every sequence's estimate
-        _ema(self.accept, self._n_accept, depth, 1.0 if accepted else 0.0, self.accept_decay)
+        self._fade()
+        f = self.accept_decay
+        self._acc[depth] = f * self._acc[depth] + accepted
+        self._judged[depth] = f * self._judged[depth] + 1.0
+
+    def _fade(self) -> None:
+        k = self.rounds - self._faded
+        if k > 0:
+            f = self.round_decay ** k
+            self._acc = [x * f for x in self._acc]
+            self._judged = [x * f for x in self._judged]
+            self._faded = self.rounds
+
+    @property
+    def accept(self) -> list[float]:
+        """The long-run acceptance per depth."""
+        self._fade()
+        w, p = self.prior_weight, self.prior_accept
+        return [(a + w * p) / (j + w) for a, j in zip(self._acc, self._judged)]
 
 
 class AdaptiveLength:
     """Per-sequence draft-length policy (acceptance depends on the text; the costs
     are the machine's but cheap to learn again). ``clock``: seconds, for tests."""
 
-    #: the length in use stays while its expected rate is within this share of the best
+    #: a drafting length in use stays while its expected rate is within this share of the best
     HYSTERESIS = 0.97
+    #: a probe that drafts again after plain rounds runs this many rounds: one draft
+    #: says little about the acceptance (a sequence that stopped drafting learns only
+    #: from its probes)
+    PROBE_ROUNDS = 4
 
-    def __init__(self, n_max: int, *, decay: float = 0.9, accept_decay: float = 0.97, prior_weight: float = 8.0,
-                 probe_every: int = 32, max_probe_every: int = 1024, prior_accept: float = 0.5,
+    def __init__(self, n_max: int, *, decay: float = 0.9, accept_decay: float = 0.97, prior_weight: float = 4.0,
+                 probe_every: int = 32, max_probe_every: int = 1024,
                  costs: RoundCosts | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.n_max = n_max
         self.decay = decay
         self.accept_decay = accept_decay
         self.prior_weight = prior_weight
-        self.prior_accept = prior_accept
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
-        self.gap = [probe_every] * (n_max + 1)  # rounds until a length is probed again
         self._probe: int | None = None  # the length the last round probed
+        self._probe_left = 0  # rounds the probe still runs
         self.clock = clock
         self.costs = costs or RoundCosts(n_max, decay)
+        # rounds until a length is probed again: the engine's, so that a new sequence
+        # does not start by probing what others found not to pay
+        if self.costs.gap is None:
+            self.costs.gap = [probe_every] * (n_max + 1)
+        self.gap = self.costs.gap
         # per depth: accepted and judged drafts, both fading per round (see the module)
         self._acc = [0.0] * n_max
         self._judged = [0.0] * n_max
@@ -126,8 +171,7 @@ class AdaptiveLength:
         towards the engine's long-run rate."""
         self._fade()
         w = self.prior_weight
-        prior = [self.prior_accept if p is None else p for p in self.costs.accept]
-        return [(a + w * p) / (j + w) for a, j, p in zip(self._acc, self._judged, prior)]
+        return [(a + w * p) / (j + w) for a, j, p in zip(self._acc, self._judged, self.costs.accept)]
 
     def expected_tokens(self, n: int, accept: list[float] | None = None) -> float:
         accept = self.accept if accept is None else accept
@@ -152,6 +196,10 @@ class AdaptiveLength:
             self.costs.observe(last, now - self._t_start)
         self._t_start, self._drafted = now, None
         self.round += 1
+        self.costs.rounds += 1
+        if self._probe_left:
+            self._probe_left -= 1
+            return self._pick(self._probe)
         # plain rounds in a row change nothing but the cost of a plain round: the
         # rates are looked at again every few rounds (on a small model this runs
         # once per token, and its arithmetic would be a visible share of it)
@@ -166,6 +214,9 @@ class AdaptiveLength:
         for n in (best - 1, best + 1):
             if 0 <= n <= self.n_max and self.round - self.last_tried[n] > self.gap[n]:
                 self._probe = n
+                if best == 0:
+                    # drafting again after a pause: the acceptance is what is in doubt
+                    self._probe_left = self.PROBE_ROUNDS - 1
                 return self._pick(n)
         return self._pick(best)
 
@@ -188,9 +239,10 @@ class AdaptiveLength:
         rates = [self.expected_rate(n, accept) for n in lengths]
         best = max(lengths, key=lambda n: rates[n])
         cur = self._best
-        if cur is not None and rates[cur] >= self.HYSTERESIS * rates[best]:
-            # within the estimates' noise: switching has a price (heads left behind
-            # catch up later), staying has none
+        if cur and rates[cur] >= self.HYSTERESIS * rates[best]:
+            # within the estimates' noise a drafting length stays: switching has a
+            # price (heads left behind catch up later), and plain rounds teach nothing
+            # about the acceptance
             best = cur
         if self._probe is not None:
             # the last round was a probe: back off if that length still loses

@@ -381,10 +381,11 @@ class MTPDriver:
             s.n_plan = min(self.n_draft, room)
             if s.policy is not None:
                 s.n_plan = min(s.n_plan, s.policy.choose())
-                # heads that skipped rounds catch up in this one: not a steady round
-                s.steady = not self.fused or min(s.kv_valid[k] for k in self.heads[: max(1, s.n_plan)]) >= \
-                    s.pos - self.n_draft
+                # heads that skipped rounds catch up in this one: not a steady round (a
+                # plain round catches nothing up: always steady)
+                s.steady = True
                 if self.fused and s.n_plan:
+                    s.steady = min(s.kv_valid[k] for k in self.heads[: s.n_plan]) >= s.pos - self.n_draft
                     self._bound_catch_up(s)
             s.drafts = []
         if self.speculate:
