@@ -55,6 +55,32 @@ def _ema(values: list, counts: list[int], i: int, x: float, decay: float) -> Non
     values[i] = x if v is None else (1 - w) * v + w * x
 
 
+class _Record:
+    """Accepted and judged drafts per depth, fading with rounds."""
+
+    def __init__(self, n_max: int, round_decay: float) -> None:
+        self.round_decay = round_decay
+        self.acc = [0.0] * n_max
+        self.judged = [0.0] * n_max
+        self._at = 0  # the round up to which the counts have faded
+
+    def fade_to(self, rnd: int) -> None:
+        k = rnd - self._at
+        if k > 0:
+            f = self.round_decay ** k
+            self.acc = [x * f for x in self.acc]
+            self.judged = [x * f for x in self.judged]
+            self._at = rnd
+
+    def add(self, depth: int, accepted: bool, decay: float = 1.0) -> None:
+        self.acc[depth] = decay * self.acc[depth] + accepted
+        self.judged[depth] = decay * self.judged[depth] + 1.0
+
+    def estimate(self, prior: list[float], weight: float) -> list[float]:
+        """Per depth, the record with ``weight`` more drafts at the prior rate."""
+        return [(a + weight * p) / (j + weight) for a, j, p in zip(self.acc, self.judged, prior)]
+
+
 class RoundCosts:
     """What one engine's sequences share: seconds per round by draft length (the
     machine's and the model's: a new request does not pay to measure them again),
@@ -68,15 +94,12 @@ class RoundCosts:
                  prior_weight: float = 2.0, round_decay: float = 0.995) -> None:
         self.decay = decay
         self.accept_decay = accept_decay
-        self.round_decay = round_decay
         self.rounds = 0  # rounds of any sequence: the record also fades with them
-        self._faded = 0
-        self.prior_accept = prior_accept
+        self._prior = [prior_accept] * n_max
         self.prior_weight = prior_weight
         self.t_round: list[float | None] = [None] * (n_max + 1)
         self._n = [0] * (n_max + 1)
-        self._acc = [0.0] * n_max
-        self._judged = [0.0] * n_max
+        self._record = _Record(n_max, round_decay)
         self._warm = [False] * (n_max + 1)
         self.gap: list[int] | None = None  # AdaptiveLength's probe gaps, shared
 
@@ -89,25 +112,14 @@ class RoundCosts:
         _ema(self.t_round, self._n, n, seconds, self.decay)
 
     def observe_accept(self, depth: int, accepted: bool) -> None:
-        self._fade()
-        f = self.accept_decay
-        self._acc[depth] = f * self._acc[depth] + accepted
-        self._judged[depth] = f * self._judged[depth] + 1.0
-
-    def _fade(self) -> None:
-        k = self.rounds - self._faded
-        if k > 0:
-            f = self.round_decay ** k
-            self._acc = [x * f for x in self._acc]
-            self._judged = [x * f for x in self._judged]
-            self._faded = self.rounds
+        self._record.fade_to(self.rounds)
+        self._record.add(depth, accepted, self.accept_decay)
 
     @property
     def accept(self) -> list[float]:
         """The long-run acceptance per depth."""
-        self._fade()
-        w, p = self.prior_weight, self.prior_accept
-        return [(a + w * p) / (j + w) for a, j in zip(self._acc, self._judged)]
+        self._record.fade_to(self.rounds)
+        return self._record.estimate(self._prior, self.prior_weight)
 
 
 class AdaptiveLength:
@@ -126,7 +138,6 @@ class AdaptiveLength:
                  costs: RoundCosts | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.n_max = n_max
         self.decay = decay
-        self.accept_decay = accept_decay
         self.prior_weight = prior_weight
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
@@ -139,10 +150,8 @@ class AdaptiveLength:
         if self.costs.gap is None:
             self.costs.gap = [probe_every] * (n_max + 1)
         self.gap = self.costs.gap
-        # per depth: accepted and judged drafts, both fading per round (see the module)
-        self._acc = [0.0] * n_max
-        self._judged = [0.0] * n_max
-        self._faded = 0  # the round up to which they have faded
+        # this sequence's drafts, fading per round (see the module)
+        self._record = _Record(n_max, accept_decay)
         # a length whose cost the engine knows counts as just tried: a new sequence
         # starts from the shared estimates instead of probing at once
         self.last_tried = [0 if t is not None else -(10**9) for t in self.costs.t_round]
@@ -157,21 +166,12 @@ class AdaptiveLength:
     def t_round(self) -> list[float | None]:
         return self.costs.t_round
 
-    def _fade(self) -> None:
-        k = self.round - self._faded
-        if k > 0:
-            f = self.accept_decay ** k
-            self._acc = [x * f for x in self._acc]
-            self._judged = [x * f for x in self._judged]
-            self._faded = self.round
-
     @property
     def accept(self) -> list[float]:
         """The acceptance estimate per depth: this sequence's recent record, pulled
         towards the engine's long-run rate."""
-        self._fade()
-        w = self.prior_weight
-        return [(a + w * p) / (j + w) for a, j, p in zip(self._acc, self._judged, self.costs.accept)]
+        self._record.fade_to(self.round)
+        return self._record.estimate(self.costs.accept, self.prior_weight)
 
     def expected_tokens(self, n: int, accept: list[float] | None = None) -> float:
         accept = self.accept if accept is None else accept
@@ -262,11 +262,10 @@ class AdaptiveLength:
         ``steady``: the heads were up to date before it; a round that first caught
         them up on many skipped rows is not timed (that is the price of switching
         drafting back on, paid once, not the cost of a round of that length)."""
-        self._fade()
+        self._record.fade_to(self.round)
         for d in range(min(n_drafted, self.n_max)):
             ok = d < n_accepted
-            self._acc[d] += ok
-            self._judged[d] += 1.0
+            self._record.add(d, ok)
             self.costs.observe_accept(d, ok)
             if not ok:
                 break  # later drafts were never judged
