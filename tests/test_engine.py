@@ -538,3 +538,22 @@ def test_adaptive_policy_is_not_settled_by_an_engines_first_rounds():
         pol = AdaptiveLength(3, costs=costs, clock=clock)
         chosen += _run_policy(pol, clock, [rng.random() < 0.64 for _ in range(200)], cost)
     assert chosen[600:].count(1) > 0.8 * len(chosen[600:]), [chosen.count(n) for n in range(4)]
+
+
+def test_adaptive_costs_trust_a_fresh_timing_of_a_length_left_alone():
+    """A length timed again after a long pause (a probe) replaces most of its old
+    estimate: the machine's load may have changed meanwhile. One timed every round
+    moves slowly (one noisy round says little)."""
+    from stepmtp.adaptive import RoundCosts
+
+    costs = RoundCosts(1)
+    for n in (0, 1):
+        for _ in range(12):  # the first is a warm-up, untimed
+            costs.rounds += 1
+            costs.observe(n, 1.0)
+    costs.rounds += 1
+    costs.observe(1, 0.5)  # timed the round before too: a small step
+    assert 0.9 <= costs.t_round[1] < 1.0
+    costs.rounds += 100
+    costs.observe(0, 0.5)  # not timed for 113 rounds: mostly replaced
+    assert costs.t_round[0] < 0.6

@@ -46,15 +46,6 @@ from typing import Callable
 __all__ = ["AdaptiveLength", "RoundCosts"]
 
 
-def _ema(values: list, counts: list[int], i: int, x: float, decay: float) -> None:
-    # a plain mean over the first observations, then a moving average: the prior
-    # and the first samples do not linger
-    counts[i] += 1
-    w = max(1.0 / counts[i], 1.0 - decay)
-    v = values[i]
-    values[i] = x if v is None else (1 - w) * v + w * x
-
-
 class _Record:
     """Accepted and judged drafts per depth, fading with rounds."""
 
@@ -90,6 +81,9 @@ class RoundCosts:
     engine's first rounds cannot settle it: three rejections there once made every
     later sequence believe drafting never pays)."""
 
+    #: per round since a length was last timed, how much its old estimate still counts
+    STALE_DECAY = 0.98
+
     def __init__(self, n_max: int, decay: float = 0.9, accept_decay: float = 0.99, prior_accept: float = 0.75,
                  prior_weight: float = 2.0, round_decay: float = 0.995) -> None:
         self.decay = decay
@@ -99,6 +93,7 @@ class RoundCosts:
         self.prior_weight = prior_weight
         self.t_round: list[float | None] = [None] * (n_max + 1)
         self._n = [0] * (n_max + 1)
+        self._seen = [0] * (n_max + 1)  # the round each length was last timed
         self._record = _Record(n_max, round_decay)
         self._warm = [False] * (n_max + 1)
         self.gap: list[int] | None = None  # AdaptiveLength's probe gaps, shared
@@ -109,7 +104,15 @@ class RoundCosts:
             # that batch shape (seen: 2-3x a later round's time): not its cost
             self._warm[n] = True
             return
-        _ema(self.t_round, self._n, n, seconds, self.decay)
+        # a plain mean over the first rounds, then a moving average (the first samples
+        # do not linger); a length not run for a while (a probe) weighs more: its
+        # estimate is stale, and the machine's load may have changed since
+        self._n[n] += 1
+        stale = self.rounds - self._seen[n]
+        self._seen[n] = self.rounds
+        w = max(1.0 / self._n[n], 1.0 - self.decay, 1.0 - self.STALE_DECAY ** stale)
+        v = self.t_round[n]
+        self.t_round[n] = seconds if v is None else (1 - w) * v + w * seconds
 
     def observe_accept(self, depth: int, accepted: bool) -> None:
         self._record.fade_to(self.rounds)
