@@ -428,13 +428,8 @@ def test_adaptive_policy_backs_off_and_probes():
 
     clock = _Clock()
     pol = AdaptiveLength(3, probe_every=32, clock=clock)
-    chosen = []
-    for _ in range(600):
-        n = pol.choose()
-        chosen.append(n)
-        # nothing is ever accepted; a draft costs 0.3, verifying m rows 1 + 0.05 m
-        pol.observe(n, 0)
-        clock.t += 0.3 * n + 1.0 + 0.05 * (n + 1)
+    # nothing is ever accepted; a draft costs 0.3, verifying m rows 1 + 0.05 m
+    chosen = _run_policy(pol, clock, [False] * 600, lambda n: 0.3 * n + 1.0 + 0.05 * (n + 1))
     assert chosen[:8] == [3, 3, 2, 2, 1, 1, 0, 0]  # every length measured first (its first round warms up)
     assert chosen.count(0) > 0.95 * len(chosen)  # then plain decoding...
     # ...probing the next length (once in a long while the long-run estimate, drifting
