@@ -491,3 +491,18 @@ def test_stepmtp_server_backend(agree, prompts, tmp_path):
     a, b = (cr.results[0] for cr in run.configs)
     assert not run.mismatches, (a.text, b.text)
     assert (a.predicted, a.drafted, a.accepted) == (b.predicted, b.drafted, b.accepted)
+
+
+def test_llama_server_gets_our_kv_layout(tmp_path):
+    """The C++ llama-server is started with the full sliding-window cache our contexts
+    keep: without it the two compute different logits (the bundled model's greedy
+    texts diverged wherever its top two logits were ~0.02 apart), with it they agree."""
+    from stepmtp.bench.runners import ServerRunner
+
+    exe = tmp_path / "llama-server"
+    exe.write_text("")
+    r = ServerRunner(BenchConfig(mode="single", n_max=2, backend="llama-server"), tmp_path / "m.gguf",
+                     llama_server=exe, n_threads=1)
+    argv = r.process.argv
+    assert argv[0] == str(exe) and "--swa-full" in argv
+    assert argv[argv.index("--spec-draft-n-max") + 1] == "2"

@@ -533,7 +533,10 @@ class ServerRunner(URLRunner):
             if exe is None:
                 raise FileNotFoundError("no llama-server binary: pass --llama-server PATH (build it with "
                                         "CMAKE_ARGS=\"-DSTEPMTP_BUILD_SERVER=on\" pip install .)")
-            argv = [str(exe)]
+            # our contexts keep the full sliding-window cache (speculation rolls it back):
+            # the same KV layout here, or the two compute different logits (seen: greedy
+            # texts diverging on the bundled model wherever its top two were 0.02 apart)
+            argv = [str(exe), "--swa-full"]
         else:
             argv = [sys.executable, "-m", "stepmtp.server"]
         argv += ["-m", str(model), "-c", str(n_ctx), "-np", str(n_parallel), "--temp", "0"]
