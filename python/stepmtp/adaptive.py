@@ -140,7 +140,6 @@ class AdaptiveLength:
                  probe_every: int = 32, max_probe_every: int = 1024,
                  costs: RoundCosts | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.n_max = n_max
-        self.decay = decay
         self.prior_weight = prior_weight
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
@@ -256,7 +255,6 @@ class AdaptiveLength:
 
     def _pick(self, n: int) -> int:
         self.last_tried[n] = self.round
-        self.chosen = n
         return n
 
     def observe(self, n_drafted: int, n_accepted: int, steady: bool = True) -> None:

@@ -68,7 +68,7 @@ class Engine:
         n_gpu_layers_draft: int | str | None = None,
         rpc: str | Sequence[str] | None = None,
         n_parallel: int = 1,
-        kv_unified: bool | None = None,
+        kv_unified: bool = False,
         seed: int = -1,
         flash_attn: bool | None = None,
         progress: bool = False,
@@ -80,7 +80,6 @@ class Engine:
         if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
             raise ValueError(f"n_parallel must be a positive integer, not {n_parallel!r}")
         self.n_parallel = n_parallel
-        unified = bool(kv_unified)
         self._lock = threading.Lock()
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc)
         self.draft_model: Model | None = None
@@ -92,7 +91,7 @@ class Engine:
                 n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                 n_threads_batch=n_threads_batch or threads, flash_attn=flash_attn, n_seq_max=n_parallel,
             )
-            self.target = Context(self.model, kv_unified=unified, **ctx_kw)
+            self.target = Context(self.model, kv_unified=bool(kv_unified), **ctx_kw)
             if self.spec.mode != "none":
                 if mtp_model is not None:
                     ngl = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft

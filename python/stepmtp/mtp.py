@@ -597,7 +597,7 @@ class MTPDriver:
         for s in active:
             s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, self._dseq(s, 0), outputs="last",
                                        embd=s.chain_h[i - 1 : i])
-            if s.kv_end:
+            if self.fused:
                 s.kv_end[0] = s.pos + i + 1
 
     def _decode_step(self, active: list[SeqState], i: int) -> None:
