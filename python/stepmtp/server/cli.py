@@ -62,6 +62,18 @@ def _on_off_auto(v: str) -> bool | None:
     raise argparse.ArgumentTypeError(f"expected on, off or auto, got {v!r}")
 
 
+def _json_object(v: str) -> dict[str, Any]:
+    import json
+
+    try:
+        obj = json.loads(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return obj
+
+
 def _csv(v: str) -> list[str]:
     return [x.strip() for x in v.split(",") if x.strip()]
 
@@ -224,9 +236,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="file of API keys, one a line, '#' comments (default: none)")
     add(g, "-v", "--verbose", dest="verbose", action="store_true", help="llama.cpp's log too")
 
+    g = ap.add_argument_group("chat template")
+    add(g, "--jinja", dest="use_jinja", action="store_const", const=True, default=True, env="LLAMA_ARG_JINJA",
+        help="render the chat template with jinja (default: enabled)")
+    add(g, "--no-jinja", dest="use_jinja", action="store_const", const=False,
+        help="llama.cpp's built-in templates instead of jinja (the model's template is matched to one)")
+    add(g, "--chat-template", metavar="JINJA_TEMPLATE", dest="chat_template", env="LLAMA_ARG_CHAT_TEMPLATE",
+        help="a jinja chat template, or a built-in template's name (chatml, llama3, ...) (default: the model's, "
+             "else chatml)")
+    add(g, "--chat-template-file", metavar="JINJA_TEMPLATE_FILE", dest="chat_template_file",
+        env="LLAMA_ARG_CHAT_TEMPLATE_FILE", help="a file holding the chat template")
+    add(g, "--chat-template-kwargs", metavar="STRING", dest="chat_template_kwargs", type=_json_object,
+        env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS",
+        help="extra template variables, a JSON object, e.g. '{\"enable_thinking\": false}' (a request's "
+             "chat_template_kwargs win)")
+    add(g, "--template-timeout", metavar="S", dest="template_timeout", type=_float, default=5.0,
+        help="ours: a chat template rendering longer than this is stopped, a 400 (default: 5)")
+    add(g, "--template-max-chars", metavar="N", dest="template_max_chars", type=_int, default=4 << 20,
+        help="ours: a rendered prompt longer than this is a 400 (default: 4194304)")
+
     g = ap.add_argument_group("accepted for compatibility (no effect here)")
     add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
-    add(g, "--jinja", dest="_jinja", action="store_true", help="the chat template is always rendered with jinja")
+    add(g, "--tags", metavar="STRING", dest="_tags", env="LLAMA_ARG_TAGS",
+        help="model tags, informational (not used)")
     add(g, "--slots", dest="endpoint_slots", action="store_const", const=True, default=True,
         env="LLAMA_ARG_ENDPOINT_SLOTS", help="expose the slots monitoring endpoint (default: enabled)")
     add(g, "--no-slots", dest="endpoint_slots", action="store_const", const=False,
@@ -295,6 +327,14 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         check(Path(a.model).is_file(), f"model file not found: {a.model}")
     if a.mtp_model is not None:
         check(Path(a.mtp_model).is_file(), f"draft (MTP) model file not found: {a.mtp_model}")
+    chat_template = a.chat_template
+    if a.chat_template_file:
+        try:
+            chat_template = Path(a.chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ArgError(f"failed to read the chat template file '{a.chat_template_file}': {e}") from None
+    check(a.template_timeout > 0, f"invalid value for --template-timeout: {a.template_timeout}")
+    check(a.template_max_chars > 0, f"invalid value for --template-max-chars: {a.template_max_chars}")
     keys = list(a.api_key)
     if a.api_key_file:
         try:
@@ -345,6 +385,11 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         api_keys=keys,
         aliases=list(a.alias),
         verbose=a.verbose,
+        use_jinja=a.use_jinja,
+        chat_template=chat_template or None,
+        chat_template_kwargs=a.chat_template_kwargs or {},
+        template_timeout=a.template_timeout,
+        template_max_chars=a.template_max_chars,
     )
 
 

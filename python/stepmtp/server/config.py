@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..sampling import SamplingParams
 
@@ -75,6 +75,15 @@ class ServerConfig:
     #: -a/--alias, in the order given
     aliases: list[str] = field(default_factory=list)
     verbose: bool = False
+    #: --jinja / --no-jinja: jinja templates, or llama.cpp's built-in ones
+    use_jinja: bool = True
+    #: --chat-template / --chat-template-file: a jinja template or a built-in name; None: the model's
+    chat_template: str | None = None
+    #: --chat-template-kwargs: template variables for every request (a request's own win)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: bounds of one template rendering (seconds, characters of output)
+    template_timeout: float = 5.0
+    template_max_chars: int = 4 << 20
 
     # -- derived ------------------------------------------------------------------
 
@@ -100,6 +109,14 @@ class ServerConfig:
     @property
     def seed_u32(self) -> int:
         return DEFAULT_SEED if self.seed < 0 else self.seed & 0xFFFFFFFF
+
+    def chat_template_source(self) -> str | None:
+        """The jinja template to render instead of the model's (None: the model's)."""
+        if self.chat_template == "chatml":
+            from ..chat import CHATML_TEMPLATE
+
+            return CHATML_TEMPLATE
+        return self.chat_template
 
     def model_path(self) -> Path:
         return Path(self.model) if self.model else default_model_path()

@@ -1,0 +1,84 @@
+"""Chat templates: the GGUF's jinja template rendered as the ecosystem does (a
+sandboxed jinja2 environment, ``raise_exception``, ``strftime_now``), with
+llama-server's chatml fallback for a model that has none.
+
+A template's *variables* (``chat_template_kwargs``) are data: they can add names
+for the template to read, never replace the template nor the messages. In the
+server, rendering runs in ``sandbox.TemplateSandbox`` (bounded in time, output and
+memory); in-process, ``render_chat`` runs it directly.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from .jinja_render import TemplateFailure, render
+
+if TYPE_CHECKING:
+    from ..llama import Model
+    from .sandbox import TemplateSandbox
+
+__all__ = ["render_chat", "render_builtin", "template_context", "ChatTemplateError", "CHATML_TEMPLATE"]
+
+#: llama-server's fallback for a model without a template
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+#: names the renderer sets itself; a variable of the same name does not replace them
+RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+class ChatTemplateError(ValueError):
+    """The template is missing, invalid, refused the messages or went past a bound."""
+
+
+def template_source(model: "Model", template: str | None = None) -> str:
+    """The template to render: ``template``, else the model's, else chatml."""
+    return template or model.chat_template or CHATML_TEMPLATE
+
+
+def template_context(model: "Model", messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                     variables: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the template sees: the variables first, then the names it must get right."""
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise ChatTemplateError("each message needs a 'role'")
+    bos = model.token_to_piece(model.bos, special=True).decode("utf-8", "replace") if model.bos >= 0 else ""
+    eos = model.token_to_piece(model.eos, special=True).decode("utf-8", "replace") if model.eos >= 0 else ""
+    ctx = {str(k): v for k, v in (variables or {}).items() if str(k) not in RESERVED}
+    ctx.update(messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+    return ctx
+
+
+def render_chat(model: "Model", messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                template: str | None = None, variables: Mapping[str, Any] | None = None,
+                sandbox: "TemplateSandbox | None" = None) -> str:
+    """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]);
+    ``variables`` are extra names for the template (e.g. ``enable_thinking``)."""
+    source = template_source(model, template)
+    ctx = template_context(model, messages, add_generation_prompt=add_generation_prompt, variables=variables)
+    if sandbox is not None:
+        return sandbox.render(source, ctx)
+    try:
+        return render(source, ctx)
+    except TemplateFailure as e:
+        raise ChatTemplateError(str(e)) from None
+
+
+def render_builtin(model: "Model", messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                   template: str | None = None) -> str:
+    """llama-server's ``--no-jinja``: llama.cpp's built-in formatting (a known name,
+    or the model's template recognised as one), text content only."""
+    pairs = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise ChatTemplateError("each message needs a 'role'")
+        content = m.get("content")
+        pairs.append((str(m["role"]), content if isinstance(content, str) else ""))
+    try:
+        return model.apply_builtin_template(pairs, add_generation_prompt, template)
+    except ValueError as e:
+        raise ChatTemplateError(str(e)) from None

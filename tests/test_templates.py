@@ -1,0 +1,90 @@
+"""Chat templates: variables are data, rendering is bounded (time, output, memory)
+and isolated, chatml when the model has none, llama.cpp's built-in templates with
+--no-jinja."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from stepmtp.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat, template_context
+from stepmtp.chat.jinja_render import TemplateFailure, render
+from stepmtp.chat.sandbox import TemplateSandbox
+
+MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+#: nested loops that produce nothing: no output bound catches them, only a deadline
+SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+
+
+class FakeModel:
+    """What render_chat reads from a model."""
+
+    bos, eos = -1, -1
+    chat_template = None
+
+    def token_to_piece(self, tok, special=False):  # pragma: no cover - bos/eos are -1
+        return b""
+
+
+def test_variables_cannot_replace_the_template_or_the_messages():
+    out = render_chat(FakeModel(), MSGS, variables={"template": SPIN, "messages": [], "bos_token": "EVIL"})
+    assert out == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+
+
+def test_variables_reach_the_template():
+    src = "{% if enable_thinking is defined and not enable_thinking %}NO{% endif %}{{ messages|length }}"
+    assert render_chat(FakeModel(), MSGS, template=src, variables={"enable_thinking": False}) == "NO2"
+
+
+def test_chatml_fallback_matches_llama_server():
+    ctx = template_context(FakeModel(), MSGS, add_generation_prompt=False)
+    assert render(CHATML_TEMPLATE, ctx) == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_tojson_is_not_html_escaped():
+    # llama.cpp's templates engine writes tool schemas as plain JSON, '<' and '&' included
+    assert render("{{ x|tojson }}", {"x": {"a": "<b>&"}}) == '{"a": "<b>&"}'
+
+
+def test_output_bound():
+    with pytest.raises(TemplateFailure, match="exceeds 100 characters"):
+        render("{% for i in range(1000) %}xxxxxxxxxx{% endfor %}", {}, max_chars=100)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = TemplateSandbox(n_workers=2, timeout=1.5, max_chars=10_000, max_memory=512 << 20)
+    yield sb
+    sb.close()
+
+
+def test_sandbox_renders(sandbox):
+    assert sandbox.render("{{ a }}-{{ b|tojson }}", {"a": 1, "b": [1, "x"]}) == '1-[1, "x"]'
+
+
+def test_sandbox_stops_a_template_that_never_ends(sandbox):
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="longer than 1.5 s"):
+        sandbox.render(SPIN, {})
+    assert time.monotonic() - t0 < 5
+    assert sandbox.render("ok", {}) == "ok"  # a fresh worker took its place
+
+
+def test_sandbox_bounds_output_and_memory(sandbox):
+    with pytest.raises(ChatTemplateError, match="exceeds 10000 characters"):
+        sandbox.render("{% for i in range(100000) %}abc{% endfor %}", {})
+    # one string far past the worker's address space: its MemoryError, not the server's
+    with pytest.raises(ChatTemplateError, match="memory"):
+        sandbox.render("{{ 'x'.ljust(2000000000) }}", {})
+    assert sandbox.render("{{ 1 + 1 }}", {}) == "2"
+
+
+def test_sandbox_template_errors(sandbox):
+    with pytest.raises(ChatTemplateError, match="invalid chat template"):
+        sandbox.render("{% for %}", {})
+    with pytest.raises(ChatTemplateError, match="no tools here"):
+        sandbox.render("{{ raise_exception('no tools here') }}", {})
+    with pytest.raises(ChatTemplateError, match="unsafe|access"):
+        sandbox.render("{{ ''.__class__.__mro__ }}", {})
