@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Any, Iterator, Sequence
 
-from .llama import Context, Model, default_threads
+from .llama import Context, LlamaError, Model, default_threads
 from .mtp import MTPDriver, Mode, Schedule, SpecConfig, Verify
 from .sampling import SamplingParams
 from .slots import Chunk, Completion, Request, Slots, StopType
@@ -81,6 +81,7 @@ class Engine:
             raise ValueError(f"n_parallel must be a positive integer, not {n_parallel!r}")
         self.n_parallel = n_parallel
         self._lock = threading.Lock()
+        self._closed = False
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc)
         self.draft_model: Model | None = None
         self.target: Context | None = None
@@ -125,12 +126,22 @@ class Engine:
     # -- lifetime ---------------------------------------------------------------
 
     def close(self) -> None:
-        for ctx in (self.draft, self.target):
-            if ctx is not None:
-                ctx.close()
-        if self.draft_model is not None and self.draft_model is not self.model:
-            self.draft_model.close()
-        self.model.close()
+        """Free the model and contexts. Waits for a step another thread is running;
+        afterwards every call raises LlamaError ("the engine is closed")."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            for ctx in (self.draft, self.target):
+                if ctx is not None:
+                    ctx.close()
+            if self.draft_model is not None and self.draft_model is not self.model:
+                self.draft_model.close()
+            self.model.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LlamaError("the engine is closed")
 
     def __enter__(self) -> "Engine":
         return self
@@ -150,28 +161,35 @@ class Engine:
         return self.driver.n_heads
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        self._check_open()
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        self._check_open()
         return self.model.detokenize(tokens)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
-                            template: str | None = None, **kwargs: Any) -> str:
-        """Render chat messages with the GGUF's jinja chat template."""
+                            template: str | None = None, variables: dict[str, Any] | None = None,
+                            **kwargs: Any) -> str:
+        """Render chat messages with the GGUF's jinja chat template (chatml when it has
+        none, as llama-server). ``variables`` and ``kwargs`` are extra names for the
+        template (``enable_thinking=False``, ...); they never replace the template."""
         from .chat import render_chat
 
         return render_chat(self.model, messages, add_generation_prompt=add_generation_prompt,
-                           template=template, **kwargs)
+                           template=template, variables={**(variables or {}), **kwargs})
 
     # -- generation ---------------------------------------------------------------
 
     def generate(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                  sampling: SamplingParams | None = None, verify: Verify | None = None,
-                 **sampling_kw: Any) -> Completion:
+                 cache_prompt: bool = True, **sampling_kw: Any) -> Completion:
         """Generate a completion. ``sampling_kw`` are SamplingParams fields
         (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...); ``verify``
-        overrides the engine's verification (exact, rejection, auto) for this request."""
-        gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify))
+        overrides the engine's verification (exact, rejection, auto) for this request.
+        ``cache_prompt``: reuse the KV of the longest prefix the slot still holds from
+        its previous request (llama-server's default); the output is the same."""
+        gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt))
         while True:
             try:
                 next(gen)
@@ -180,14 +198,15 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
-               **sampling_kw: Any) -> Iterator[Chunk]:
+               cache_prompt: bool = True, **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
         return value (``StopIteration.value``) is the Completion."""
-        return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify))
+        return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt))
 
     def _request(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
                  sampling: SamplingParams | None, sampling_kw: dict[str, Any],
-                 verify: Verify | None = None) -> Request:
+                 verify: Verify | None = None, cache_prompt: bool = True) -> Request:
+        self._check_open()
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
             raise ValueError(f"unknown verification {verify!r} (auto, exact, rejection)")
@@ -209,25 +228,28 @@ class Engine:
         if isinstance(stop, str):
             stop = [stop]
         rejection = verify != "exact" and not params.greedy and self.driver.speculate
-        return Request(prompt_tokens, n_predict, list(stop), params, rejection)
+        return Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt)
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], *, n_predict: int = -1,
                       stop: Sequence[str] = (), sampling: SamplingParams | None = None,
-                      verify: Verify | None = None, **sampling_kw: Any) -> list[Completion]:
+                      verify: Verify | None = None, cache_prompt: bool = True,
+                      **sampling_kw: Any) -> list[Completion]:
         """Generate completions of several prompts together, ``n_parallel`` at a time
         (batched into the same decodes); same arguments as ``generate``."""
-        reqs = [self._request(p, n_predict, stop, sampling, sampling_kw, verify) for p in prompts]
+        reqs = [self._request(p, n_predict, stop, sampling, sampling_kw, verify, cache_prompt) for p in prompts]
         try:
             for r in reqs:
                 self.slots.submit(r)
             while not all(r.done for r in reqs):
                 with self._lock:
+                    self._check_open()
                     self.slots.step()
         finally:
             with self._lock:
-                for r in reqs:
-                    if not r.done:
-                        self.slots.drop(r)
+                if not self._closed:
+                    for r in reqs:
+                        if not r.done:
+                            self.slots.drop(r)
         for r in reqs:
             if r.error is not None:
                 raise r.error
@@ -245,6 +267,7 @@ class Engine:
                 if req.done:
                     break
                 with self._lock:
+                    self._check_open()
                     if not req.chunks and not req.done:
                         slots.step()
             if req.error is not None:
@@ -253,4 +276,5 @@ class Engine:
         finally:
             if not req.done:
                 with self._lock:
-                    slots.drop(req)
+                    if not self._closed:  # a closed engine's KV is gone with it
+                        slots.drop(req)

@@ -183,7 +183,7 @@ class Model(_Closing):
         self._ptr = ptr
         if self.rpc is not None:
             self.rpc.attach(self)
-        self._vocab = lib.llama_model_get_vocab(ptr)
+        self._vocab_ptr = lib.llama_model_get_vocab(ptr)
 
         self.n_vocab: int = lib.llama_vocab_n_tokens(self._vocab)
         self.n_embd: int = lib.llama_model_n_embd(ptr)
@@ -207,6 +207,12 @@ class Model(_Closing):
         if self._ptr == ffi.NULL:
             raise LlamaError("the model is closed")
         return self._ptr
+
+    @property
+    def _vocab(self):  # noqa: ANN202 - the vocabulary lives in the model: freed with it
+        if self._ptr == ffi.NULL:
+            raise LlamaError("the model is closed")
+        return self._vocab_ptr
 
     def close(self) -> None:
         """Free the model, after every context made from it."""
@@ -261,6 +267,13 @@ class Model(_Closing):
     def chat_template(self) -> str | None:
         p = lib.llama_model_chat_template(self.ptr, ffi.NULL)
         return None if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
+
+    def apply_builtin_template(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+                               template: str | None = None) -> str:
+        """llama.cpp's own (non-jinja) chat formatting: ``template`` is a built-in
+        name (``chatml``, ``llama3``, ...) or a template source it recognises; by
+        default the model's. ValueError when llama.cpp knows no such template."""
+        return apply_builtin_template(template or self.chat_template or "chatml", messages, add_generation_prompt)
 
     # -- vocabulary -----------------------------------------------------------
 
@@ -482,7 +495,7 @@ class Context(_Closing):
         if ptr == ffi.NULL:
             raise LlamaError(cap.message(f"{model.path}: could not create a llama.cpp context"))
         self._ptr = ptr
-        self._mem = lib.llama_get_memory(ptr)
+        self._mem_ptr = lib.llama_get_memory(ptr)
         self.is_mtp = mtp
         self.n_ctx: int = lib.llama_n_ctx(ptr)
         self.n_batch: int = lib.llama_n_batch(ptr)
@@ -501,6 +514,12 @@ class Context(_Closing):
         if self._ptr == ffi.NULL:
             raise LlamaError("the context is closed")
         return self._ptr
+
+    @property
+    def _mem(self):  # noqa: ANN202 - the KV cache lives in the context: freed with it
+        if self._ptr == ffi.NULL:
+            raise LlamaError("the context is closed")
+        return self._mem_ptr
 
     def close(self) -> None:
         if self._ptr != ffi.NULL:
@@ -616,3 +635,32 @@ class Context(_Closing):
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
+
+
+def builtin_templates() -> list[str]:
+    """The names of llama.cpp's built-in chat templates."""
+    n = lib.llama_chat_builtin_templates(ffi.NULL, 0)
+    out = ffi.new("const char *[]", max(1, n))
+    n = lib.llama_chat_builtin_templates(out, n)
+    return [ffi.string(out[i]).decode() for i in range(n)]
+
+
+def apply_builtin_template(template: str, messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> str:
+    keep = []
+    chat = ffi.new("llama_chat_message[]", max(1, len(messages)))
+    for i, (role, content) in enumerate(messages):
+        r, c = ffi.new("char[]", role.encode()), ffi.new("char[]", content.encode())
+        keep += [r, c]
+        chat[i].role, chat[i].content = r, c
+    tmpl = ffi.new("char[]", template.encode())
+    size = 2 * sum(len(c) + len(r) for r, c in messages) + 256
+    for _ in range(2):
+        buf = ffi.new("char[]", size)
+        n = lib.llama_chat_apply_template(tmpl, chat, len(messages), add_generation_prompt, buf, size)
+        if n < 0:
+            raise ValueError("this chat template is not one of llama.cpp's built-in templates "
+                             f"({', '.join(builtin_templates())}); use --jinja")
+        if n <= size:
+            return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
+        size = n + 1
+    raise ValueError("chat template output did not fit")  # pragma: no cover

@@ -175,6 +175,8 @@ class SeqState:
     #: prompt processing: the prompt, and how much of it the target has decoded
     prompt: list[int] = field(default_factory=list)
     n_prefilled: int = 0
+    #: the heads are anchored on the positions before this one already (a cached prefix)
+    anchor_from: int = 0
     #: debug mode: every trunk hidden row the target produced, by position
     h_log: dict[int, np.ndarray] | None = None
     #: debug mode: one RoundTrace per round
@@ -194,6 +196,33 @@ class SeqState:
     @property
     def prefilling(self) -> bool:
         return self.n_prefilled < len(self.prompt)
+
+
+@dataclass
+class _Cache:
+    """What a slot's KV still holds after its sequence ended, for the next one to
+    reuse (prompt caching): the target's KV at positions [0, len(tokens)); head k
+    anchored on [0, kv_valid[k]) (fused; the rows it has not seen are in ``anchors``),
+    or every head on all of them (reference)."""
+
+    tokens: list[int]
+    kv_valid: list[int]
+    anchors: _Anchors | None
+    h_log: dict[int, np.ndarray] | None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -267,6 +296,8 @@ class MTPDriver:
         self._need_p = spec.p_min > 0 or debug
         # adaptive length: the cost of a round of each length, shared by the sequences
         self._costs = RoundCosts(self.n_draft)
+        #: per slot: what its KV holds since its last sequence ended (prompt caching)
+        self.cache: list[_Cache | None] = [None] * n_seq
 
     # -- timing: what runs inside llama.cpp, so the rest is Python's share ------
 
@@ -294,17 +325,28 @@ class MTPDriver:
 
     # -- bootstrap --------------------------------------------------------------
 
-    def start(self, s: SeqState, prompt: list[int]) -> None:
-        """Make ``s`` a fresh sequence with this prompt; ``prefill`` decodes it."""
+    def start(self, s: SeqState, prompt: list[int], *, reuse: bool = True) -> None:
+        """Make ``s`` a new sequence with this prompt; ``prefill`` decodes it. With
+        ``reuse``, the longest prefix the slot's KV already holds (``cache``) is kept,
+        in the target and the heads, and only the rest is decoded."""
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.n_ctx_seq:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context ({self.n_ctx_seq})")
-        self.release(s.seq_id)
-        s.prompt, s.n_prefilled = list(prompt), 0
+        c, self.cache[s.seq_id] = self.cache[s.seq_id], None
+        # at least the prompt's last token is decoded (its logits give the first
+        # token), and the one before it too: its trunk row anchors the first new
+        # position for the heads (trunk rows are not kept, only the KV)
+        n_keep = min(common_prefix(c.tokens, prompt), len(prompt) - 1) if reuse and c is not None else 0
+        if n_keep < 2:
+            n_keep = 0
+            self.release(s.seq_id)
+        s.prompt, s.n_prefilled = list(prompt), max(0, n_keep - 1)
+        s.anchor_from = n_keep
         s.tokens = list(prompt)
         s.pos, s.id_last = 0, -1
         s.pending_h = self._zero_h[0]
+        s.stats.n_prompt_cached = s.n_prefilled
         s.policy = (AdaptiveLength(self.n_draft, costs=self._costs) if self.spec.adaptive and self.speculate
                     else None)
         s.h_log = {} if self.debug else None
@@ -317,9 +359,55 @@ class MTPDriver:
             s.kv_end = [0] * self.n_heads
             s.anchors = s.anchors or _Anchors(self.n_embd, 2 * self.n_chunk)
             s.anchors.reset()
+        if n_keep:
+            self._reuse(s, c, n_keep)
+
+    def _reuse(self, s: SeqState, c: _Cache, n_keep: int) -> None:
+        """Keep the cached KV of positions [0, n_keep) (the target re-decodes from
+        n_keep - 1 on, the heads go on from n_keep)."""
+        self.target.seq_rm(s.seq_id, n_keep - 1)
+        if s.h_log is not None and c.h_log is not None:
+            s.h_log = {p: h for p, h in c.h_log.items() if p < n_keep - 1}
+        if self.draft is None:
+            return
+        for k in range(self.n_heads):
+            valid = min(c.kv_valid[k], n_keep)
+            self.draft.seq_rm(self._dseq(s, k), valid)
+            if self.fused and self.speculate:
+                s.kv_valid[k] = s.kv_end[k] = valid
+        if self.fused and self.speculate and c.anchors is not None:
+            # the rows some head has not seen yet: those of the kept prefix stay
+            A = c.anchors
+            if A.start > n_keep:
+                A.reset(n_keep)
+            A.n = min(A.n, n_keep - A.start)
+            s.anchors = A
+
+    def finish(self, s: SeqState, *, keep: bool = True) -> None:
+        """The sequence ended: keep what its slot's KV holds for the next sequence
+        (``keep``), or forget it (the sequence failed: its KV is not trusted)."""
+        if not keep:
+            self.release(s.seq_id)
+            return
+        n = s.n_prefilled if s.prefilling else s.pos
+        tokens = (s.prompt if s.prefilling else s.tokens)[:n]
+        if n < 2:
+            self.release(s.seq_id)
+            return
+        if self.fused and self.speculate:
+            kv_valid, anchors = list(s.kv_valid), s.anchors
+            s.anchors = None  # the cache owns it now
+        else:
+            kv_valid, anchors = [n] * self.n_heads, None
+        self.cache[s.seq_id] = _Cache(tokens, kv_valid, anchors, s.h_log)
+
+    def cached_tokens(self, seq_id: int) -> list[int]:
+        c = self.cache[seq_id]
+        return c.tokens if c is not None else []
 
     def release(self, seq_id: int) -> None:
-        """Forget a sequence's KV in both contexts (every head's)."""
+        """Forget a sequence's KV in both contexts (every head's), and its cache."""
+        self.cache[seq_id] = None
         self.target.seq_rm(seq_id)
         if self.draft is not None:
             for k in range(self.n_heads):
@@ -341,12 +429,20 @@ class MTPDriver:
         if self.speculate:
             h = self.target.nextn(len(chunk))
             self._log_h(s, a, h)
+            # a cached prefix's last token is decoded again only for its trunk row:
+            # the heads are anchored there already
+            skip = s.anchor_from > a
             if self.fused:
                 # the heads see these rows in their next decodes; whole chunks go
                 # now, so what is left fits a shared decode
-                s.anchors.append(chunk[:1], s.pending_h[None, :])
+                if not skip:
+                    s.anchors.append(chunk[:1], s.pending_h[None, :])
                 s.anchors.append(chunk[1:], h[:-1])
                 self._catch_up(s, keep=self.n_rows_seq - 1 - self.n_draft)
+            elif skip:
+                if len(chunk) > 1:
+                    s.pending_h = h[0]
+                    self._process([(s, chunk[1:], a + 1, h[1:])])
             else:
                 self._process([(s, chunk, a, h)])
             s.pending_h = h[-1].copy()

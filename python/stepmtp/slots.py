@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from .llama import LlamaError
-from .mtp import MTPDriver, RoundTrace, SeqState
+from .mtp import MTPDriver, RoundTrace, SeqState, common_prefix
 from .sampling import Sampler, SamplingParams
 from .stats import GenStats
 
@@ -117,9 +117,11 @@ class Request:
     and not yet taken by its consumer (appended by whichever thread steps)."""
 
     def __init__(self, prompt_tokens: list[int], n_predict: int, stop: Sequence[str],
-                 params: SamplingParams, rejection: bool) -> None:
+                 params: SamplingParams, rejection: bool, cache_prompt: bool = True) -> None:
         self.id = next(_task_ids)
         self.prompt_tokens = prompt_tokens
+        #: reuse the prefix its slot's KV holds from the slot's last request
+        self.cache_prompt = cache_prompt
         self.n_predict = n_predict
         self.params = params
         self.state = SeqState(seq_id=-1, sampler=Sampler(params), rejection=rejection)
@@ -191,7 +193,7 @@ class Slots:
     """``n`` slots over one driver; see the module's docstring. ``step`` and ``drop``
     must be called with the engine's lock held; ``submit`` from any thread."""
 
-    def __init__(self, driver: MTPDriver, model: "Model", n: int) -> None:
+    def __init__(self, driver: MTPDriver, model: "Model", n: int, *, similarity: float = 0.1) -> None:
         self.driver = driver
         self.model = model
         self.n = n
@@ -201,6 +203,12 @@ class Slots:
         self._next_prefill = 0
         #: what each slot served last (for /slots after a request ends)
         self.last: list[Request | None] = [None] * n
+        #: a request goes to the free slot whose cache shares the most with its prompt
+        #: when that is more than this fraction of the prompt (llama-server's
+        #: --slot-prompt-similarity), else to the least recently used free slot
+        self.similarity = similarity
+        self._used = [0] * n
+        self._clock = itertools.count(1)
 
     # -- from any thread ------------------------------------------------------------
 
@@ -255,19 +263,53 @@ class Slots:
                 if self.waiting[0].cancelled:
                     self.waiting.popleft().fail(_cancelled())
                     continue
-                try:
-                    slot = self.slots.index(None)
-                except ValueError:
+                slot = self._pick_slot(self.waiting[0])
+                if slot < 0:
                     return
                 req = self.waiting.popleft()
                 req.state.seq_id = slot
+                self._used[slot] = next(self._clock)
                 try:
-                    self.driver.start(req.state, req.prompt_tokens)
+                    self._make_room(len(req.prompt_tokens), slot)
+                    self.driver.start(req.state, req.prompt_tokens, reuse=req.cache_prompt)
                 except (ValueError, LlamaError) as e:
+                    self.driver.release(slot)
                     req.fail(e)
                     continue
                 self.slots[slot] = req
                 self.last[slot] = req
+
+    def _pick_slot(self, req: Request) -> int:
+        """The free slot for ``req`` (-1: none free)."""
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        if not free:
+            return -1
+        if req.cache_prompt:
+            best, n_best = -1, 0
+            for i in free:
+                n = common_prefix(self.driver.cached_tokens(i), req.prompt_tokens)
+                if n > n_best:
+                    best, n_best = i, n
+            if best >= 0 and n_best > self.similarity * len(req.prompt_tokens):
+                return best
+        return min(free, key=lambda i: self._used[i])
+
+    def _make_room(self, n_new: int, slot: int) -> None:
+        """With one KV cache shared by the slots, the idle slots' cached prefixes
+        give way (least recently used first) to a prompt that needs their cells."""
+        drv = self.driver
+        if not drv.target.kv_unified:
+            return
+        held = {i: len(drv.cached_tokens(i)) for i in range(self.n) if self.slots[i] is None and i != slot}
+        busy = sum(r.state.pos + drv.n_draft + 2 if not r.state.prefilling else len(r.state.prompt) + drv.n_draft + 2
+                   for r in self.slots if r is not None)
+        free = drv.target.n_ctx - busy - sum(held.values()) - len(drv.cached_tokens(slot))
+        for i in sorted(held, key=lambda i: self._used[i]):
+            if free >= n_new + drv.n_draft + 2:
+                break
+            if held[i]:
+                drv.release(i)
+                free += held[i]
 
     def _release_finished(self) -> None:
         for i, r in enumerate(self.slots):
@@ -277,8 +319,9 @@ class Slots:
                 r.fail(_cancelled())
             if r.done:
                 self.slots[i] = None
-                # the KV goes now: with a shared (unified) cache the others need the room
-                self.driver.release(i)
+                # its KV stays for the next request that shares a prefix with it, unless
+                # a decode failed in its middle
+                self.driver.finish(r.state, keep=r.error is None or isinstance(r.error, Cancelled))
 
     def drop(self, req: Request) -> None:
         """Cancel ``req`` and free what it holds now (its consumer went away)."""

@@ -16,6 +16,8 @@ class GenStats:
     """
 
     n_prompt: int = 0
+    #: prompt tokens whose KV was reused from the slot's previous request (not decoded)
+    n_prompt_cached: int = 0
     n_predicted: int = 0
     n_drafted: int = 0
     n_accepted: int = 0

@@ -26,6 +26,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
+from ..chat import render_builtin, render_chat as render_chat_text
+from ..chat.sandbox import TemplateSandbox
 from ..engine import Completion, Engine
 from ..sampling import SamplingParams
 from . import formats as F
@@ -88,6 +90,8 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None
         self.exit_code = 0
         self._closed = False
+        #: chat templates render here: bounded in time, output and memory, off the event loop
+        self.templates = TemplateSandbox(timeout=cfg.template_timeout, max_chars=cfg.template_max_chars)
 
     # -- loading ----------------------------------------------------------------
 
@@ -146,6 +150,7 @@ class ServerState:
         if self._closed:
             return
         self._closed = True
+        self.templates.close()
         stopped = True
         if self.worker is not None:
             stopped = self.worker.stop()
@@ -415,6 +420,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                                 req.parse_special)
         if not req.with_pieces:
             return {"tokens": tokens}
+        _check_tokens(eng, tokens)  # ids given as such have no piece when out of range
         out = []
         for t in tokens:
             piece = eng.model.token_to_piece(t, special=True)
@@ -468,7 +474,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 raise APIError(f"request ({len(toks)} tokens) exceeds the available context size "
                                f"({eng.n_ctx} tokens), try increasing it", "exceed_context_size_error",
                                n_prompt_tokens=len(toks), n_ctx=eng.n_ctx)
-        gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream)
+        gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream, req.cache_prompt)
                 for toks in prompts for _ in range(n_cmpl)]
         settings = F.Settings(
             sampling=sampling, seed=seed_shown, n_predict=n_predict, stop=list(req.stop), stream=stream,
@@ -753,9 +759,15 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             msgs = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
         except ValueError as e:
             raise bad_request(str(e)) from None
+        variables = {**st.cfg.chat_template_kwargs, **(kwargs or {})}
+        # never on the event loop: the sandbox's worker process renders, this thread waits
         try:
-            return await off_loop(sum(len(m["content"]) for m in msgs), lambda: eng.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {})))
+            if not st.cfg.use_jinja:
+                return await run_in_threadpool(render_builtin, eng.model, msgs, add_generation_prompt,
+                                               st.cfg.chat_template)
+            return await run_in_threadpool(render_chat_text, eng.model, msgs, add_generation_prompt=add_generation_prompt,
+                                           template=st.cfg.chat_template_source(), variables=variables,
+                                           sandbox=st.templates)
         except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
             raise bad_request(f"chat template: {e}") from None
 

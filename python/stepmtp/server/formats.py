@@ -119,9 +119,10 @@ def generation_settings(s: Settings) -> dict[str, Any]:
 
 def timings(st: GenStats, predicted_n: int) -> dict[str, Any]:
     """result_timings::to_json(): draft_n / draft_n_accepted only when something was drafted."""
-    prompt_n, prompt_ms, pred_ms = st.n_prompt, st.t_prompt_ms, st.t_gen_ms
+    # prompt_n: the tokens decoded; cache_n: those reused from the slot's KV
+    prompt_n, prompt_ms, pred_ms = st.n_prompt - st.n_prompt_cached, st.t_prompt_ms, st.t_gen_ms
     t: dict[str, Any] = {
-        "cache_n": 0,
+        "cache_n": st.n_prompt_cached,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
         "prompt_per_token_ms": _finite(prompt_ms / prompt_n) if prompt_n else None,
@@ -227,7 +228,7 @@ def usage(results: list[Completion]) -> dict[str, Any]:
         "completion_tokens": completion,
         "prompt_tokens": prompt,
         "total_tokens": completion + prompt,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": sum(c.stats.n_prompt_cached for c in results)},
     }
 
 

@@ -84,6 +84,8 @@ class GenRequest:
     sampling: SamplingParams
     #: post every chunk (streaming) or only the result
     stream: bool
+    #: reuse the slot's cached prefix (llama-server's cache_prompt)
+    cache_prompt: bool = True
 
 
 _ids = itertools.count()
@@ -187,7 +189,7 @@ class Worker:
             self.on_start(job)
         try:
             gen = self.engine.stream(req.prompt_tokens, n_predict=req.n_predict, stop=req.stop,
-                                     sampling=req.sampling)
+                                     sampling=req.sampling, cache_prompt=req.cache_prompt)
         except BaseException as e:  # noqa: BLE001 - reported to the request
             error = e
         else:

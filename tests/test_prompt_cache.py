@@ -1,0 +1,116 @@
+"""Prompt caching: a request reuses the KV its slot holds from the previous one
+(target and heads), decodes only the rest, and its output is the same as without."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from stepmtp import Engine
+from stepmtp.mtp import common_prefix
+from stepmtp.tiny import write_agree_model
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+N = 24
+
+
+@pytest.fixture(scope="module")
+def agree(tmp_path_factory):
+    return write_agree_model(tmp_path_factory.mktemp("agree-cache"), seed=0)[0]
+
+
+def turns(eng: Engine) -> list[list[int]]:
+    """A growing conversation: each prompt extends the last prompt and its answer."""
+    p1 = eng.tokenize(PROMPT)
+    out1 = eng.generate(p1, n_predict=N, temperature=0, cache_prompt=False).tokens
+    p2 = p1 + out1 + eng.tokenize("\n    return 0\n", add_special=False)
+    return [p1, p2, p2[:-3] + eng.tokenize("\n\nclass A:\n", add_special=False)]
+
+
+@pytest.mark.parametrize("cfg", [dict(mode="none"), dict(mode="chain", n_max=3),
+                                 dict(mode="chain", n_max=2, schedule="reference"), dict(mode="single", n_max=2),
+                                 dict(mode="chain", n_max=3, adaptive=True)],
+                         ids=["none", "chain-3", "chain-2-ref", "single-2", "chain-3-adapt"])
+@pytest.mark.parametrize("model", ["tiny", "agree"])
+def test_cached_prefix_gives_the_same_output(tiny, agree, model, cfg):
+    path = tiny["embedded"] if model == "tiny" else agree
+    with Engine(path, n_ctx=1024, debug=True, **cfg) as eng:
+        prompts = turns(eng)
+        fresh = [eng.generate(p, n_predict=N, temperature=0, cache_prompt=False) for p in prompts]
+        cached = [eng.generate(p, n_predict=N, temperature=0) for p in prompts]
+    for f, c, p in zip(fresh, cached, prompts):
+        assert c.tokens == f.tokens
+        assert f.stats.n_prompt_cached == 0
+        assert c.stats.n_prompt == len(p)
+    # each turn reuses what it shares with the slot's last prompt and output (the KV
+    # holds all but the last token sampled, perhaps accepted drafts past the end too),
+    # but the last shared token, decoded again for its trunk row
+    held = prompts[2] + fresh[2].tokens[:-1]
+    for c, p in zip(cached, prompts):
+        assert min(common_prefix(held, p), len(p) - 1) - 1 <= c.stats.n_prompt_cached <= len(p) - 2
+        held = p + c.tokens[:-1]
+    assert cached[1].stats.n_prompt_cached >= len(prompts[0]) + N - 2
+    if cfg["mode"] != "none" and not cfg.get("adaptive"):
+        # the heads' state was reused too: they draft and accept what they do after a fresh prompt
+        for f, c in zip(fresh, cached):
+            assert (c.stats.drafted_per_depth, c.stats.accepted_per_depth) == \
+                   (f.stats.drafted_per_depth, f.stats.accepted_per_depth)
+
+
+def test_nothing_in_common_decodes_everything(tiny):
+    with Engine(tiny["embedded"], mode="chain", n_max=3, n_ctx=1024) as eng:
+        eng.generate(PROMPT, n_predict=8, temperature=0)
+        out = eng.generate("class B:\n    pass\n", n_predict=8, temperature=0)
+        assert out.stats.n_prompt_cached == 0
+        # the same prompt again: everything but the last two tokens comes from the cache
+        again = eng.generate("class B:\n    pass\n", n_predict=8, temperature=0)
+        assert again.stats.n_prompt_cached == again.stats.n_prompt - 2
+        assert again.tokens == out.tokens
+
+
+def test_slots_pick_the_cache_that_shares_most(agree):
+    """Two conversations on two slots, interleaved: each turn goes back to its own slot."""
+    with Engine(agree, mode="chain", n_max=3, n_ctx=2 * 1024, n_parallel=2) as eng:
+        a = eng.tokenize(PROMPT)
+        b = eng.tokenize("def parse(text):\n    '''Parse it.'''\n")
+        ra = eng.generate(a, n_predict=N, temperature=0)
+        rb = eng.generate(b, n_predict=N, temperature=0)
+        ra2 = eng.generate(a + ra.tokens, n_predict=N, temperature=0)
+        rb2 = eng.generate(b + rb.tokens, n_predict=N, temperature=0)
+        assert ra2.stats.n_prompt_cached >= len(a) + N - 2
+        assert rb2.stats.n_prompt_cached >= len(b) + N - 2
+        ref = eng.generate(a + ra.tokens, n_predict=N, temperature=0, cache_prompt=False)
+        assert ra2.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_batched_slots_with_cached_prefixes_equal_each_alone(agree, unified):
+    """Two requests sharing a long prefix, decoded together on two slots (each with its
+    own copy of the prefix's KV): each equals its run alone, and states never mix."""
+    with Engine(agree, mode="chain", n_max=3, n_ctx=2 * 1024, n_parallel=2, kv_unified=unified) as eng:
+        base = eng.tokenize(PROMPT)
+        prompts = [base + eng.tokenize(s, add_special=False) for s in ("    x = 1\n", "    y = [2]\n")]
+        alone = [eng.generate(p, n_predict=N, temperature=0, cache_prompt=False).tokens for p in prompts]
+        for _ in range(2):  # the second time both slots hold a cached prefix
+            outs: list = [None, None]
+
+            def run(i: int) -> None:
+                outs[i] = eng.generate(prompts[i], n_predict=N, temperature=0)
+
+            ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert [o.tokens for o in outs] == alone
+
+
+def test_unified_cache_evicts_idle_prefixes_when_full(agree):
+    """With one shared KV cache, idle slots' cached prefixes give way to a prompt
+    that needs their cells instead of failing it."""
+    with Engine(agree, mode="chain", n_max=3, n_ctx=512, n_parallel=2, kv_unified=True) as eng:
+        long = eng.tokenize(PROMPT * 14)[:300]
+        eng.generate(long, n_predict=8, temperature=0)
+        other = eng.tokenize("class C:\n" * 40)[:300]
+        out = eng.generate(other, n_predict=8, temperature=0)  # 300 + 300 > 512 cells
+        assert len(out.tokens) == 8
