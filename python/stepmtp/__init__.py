@@ -51,9 +51,12 @@ def system_info() -> dict[str, object]:
     from pathlib import Path
 
     manifest_commit = None
-    manifest = Path(__file__).resolve().parent / "_vendor_manifest.json"
-    if manifest.exists():
-        manifest_commit = json.loads(manifest.read_text()).get("upstream_commit")
+    here = Path(__file__).resolve().parent
+    # installed beside the package; an editable install runs from the source tree
+    for manifest in (here / "_vendor_manifest.json", here.parents[1] / "vendor" / "manifest.json"):
+        if manifest.exists():
+            manifest_commit = json.loads(manifest.read_text()).get("upstream_commit")
+            break
     return {
         "stepmtp": __version__,
         "llama_cpp_commit": manifest_commit,

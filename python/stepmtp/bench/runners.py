@@ -48,8 +48,15 @@ class BenchConfig:
     verify: str = "exact"
     #: adaptive draft length, n_max the upper bound (stepmtp only)
     adaptive: bool = False
+    #: server slots (-np): 0 the bench's choice (1, or --parallel's N), -1 the server's
+    #: default (auto: 4 slots, a unified KV cache), N that many
+    slots: int = 0
 
     def __post_init__(self) -> None:
+        if self.slots and self.backend not in ("server", "llama-server"):
+            raise ValueError("-np applies to servers the bench starts (srv-..., cpp-...)")
+        if self.slots < -1:
+            raise ValueError(f"bad slot count {self.slots}")
         if self.verify not in ("exact", "rejection"):
             raise ValueError(f"unknown verification {self.verify!r} (exact, rejection)")
         if not 0.0 <= self.temperature <= 5.0:
@@ -75,12 +82,13 @@ class BenchConfig:
             return "url"
         prefix = {"engine": "", "server": "srv-", "llama-server": "cpp-"}[self.backend]
         temp = f"-t{self.temperature:g}" if self.temperature > 0 else ""
-        if self.mode == "none":
-            return prefix + "none" + temp
         ref = "-ref" if self.schedule == "reference" else ""
         rej = "-rej" if self.verify == "rejection" else ("-exact" if self.temperature > 0 else "")
         adapt = "-adapt" if self.adaptive else ""
-        return f"{prefix}{self.mode}-{self.n_max}{ref}{adapt}{temp}{rej}"
+        np_ = "" if not self.slots else ("-npauto" if self.slots < 0 else f"-np{self.slots}")
+        if self.mode == "none":
+            return prefix + "none" + temp + np_
+        return f"{prefix}{self.mode}-{self.n_max}{ref}{adapt}{temp}{rej}{np_}"
 
     @property
     def family(self) -> str:
@@ -93,6 +101,8 @@ class BenchConfig:
         if self.backend == "url":
             return "the server at the URL, as it is configured"
         where = {"engine": "in-process", "server": "stepmtp.server", "llama-server": "C++ llama-server"}[self.backend]
+        if self.slots:
+            where += ", -np " + ("auto" if self.slots < 0 else str(self.slots))
         if self.mode == "none":
             return f"no speculation ({where})"
         temp = f", temperature {self.temperature:g}" if self.temperature > 0 else ""
@@ -108,7 +118,7 @@ class BenchConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "mode": self.mode, "n_max": self.n_max if self.mode != "none" else 0,
                 "schedule": self.schedule, "backend": self.backend, "temperature": self.temperature,
-                "verify": self.verify, "adaptive": self.adaptive}
+                "verify": self.verify, "adaptive": self.adaptive, "slots": self.slots}
 
     def request_settings(self) -> dict[str, Any]:
         """Sampling of a request: greedy, or this temperature with a fixed seed."""
@@ -120,8 +130,9 @@ class BenchConfig:
     def parse(cls, spec: str) -> "BenchConfig":
         """``none``, ``chain-3``, ``single:2``, ``chain-3-ref``, ``cpp-single-2``,
         ``cpp-none``, ``srv-chain-3``, ``chain-3-adapt``, ``chain-3-t0.7-rej``,
-        ``none-t0.7`` (``:`` or ``-`` separated; ``tX`` samples at temperature X,
-        ``rej``/``exact`` picks the verification, ``adapt`` the adaptive length)."""
+        ``none-t0.7``, ``srv-none-npauto`` (``:`` or ``-`` separated; ``tX`` samples at
+        temperature X, ``rej``/``exact`` picks the verification, ``adapt`` the adaptive
+        length, ``npN``/``npauto`` a server's slots)."""
         parts = [p for p in spec.strip().replace(":", "-").split("-") if p]
         backend = "engine"
         if parts and parts[0] in ("cpp", "llama", "srv", "server"):
@@ -144,6 +155,10 @@ class BenchConfig:
                 kw["verify"] = "exact" if p == "exact" else "rejection"
             elif p.startswith("t") and _is_float(p[1:]):
                 kw["temperature"] = float(p[1:])
+            elif p == "npauto":
+                kw["slots"] = -1
+            elif p.startswith("np") and p[2:].isdigit() and int(p[2:]) > 0:
+                kw["slots"] = int(p[2:])
             else:
                 raise ValueError(f"bad configuration {spec!r}: {p!r}")
         return cls(mode=mode, n_max=n_max, backend=backend, **kw)
@@ -184,8 +199,11 @@ COMPARE_VERIFY_CONFIGS = tuple(c for t in ("0.3", "0.7", "1") for c in
                                (f"none-t{t}", f"chain-3-t{t}-exact", f"chain-3-t{t}-rej"))
 #: ``--compare adaptive``: the adaptive length against every fixed n-max
 COMPARE_ADAPTIVE_CONFIGS = ("none", "chain-1", "chain-2", "chain-3", "chain-3-adapt")
+#: ``--compare slots``: the server with its default slots (-np auto: 4, a unified KV
+#: cache) against one slot, for one client: what users get by default
+COMPARE_SLOTS_CONFIGS = ("srv-none", "srv-none-npauto", "srv-chain-3", "srv-chain-3-npauto")
 COMPARE_SETS = {"schedules": COMPARE_CONFIGS, "verify": COMPARE_VERIFY_CONFIGS,
-                "adaptive": COMPARE_ADAPTIVE_CONFIGS}
+                "adaptive": COMPARE_ADAPTIVE_CONFIGS, "slots": COMPARE_SLOTS_CONFIGS}
 
 
 @dataclass
@@ -539,7 +557,9 @@ class ServerRunner(URLRunner):
             argv = [str(exe), "--swa-full"]
         else:
             argv = [sys.executable, "-m", "stepmtp.server"]
-        argv += ["-m", str(model), "-c", str(n_ctx), "-np", str(n_parallel), "--temp", "0"]
+        argv += ["-m", str(model), "-c", str(n_ctx), "--temp", "0"]
+        if config.slots >= 0:
+            argv += ["-np", str(config.slots or n_parallel)]
         if n_threads:
             argv += ["-t", str(n_threads)]
         if config.mode != "none":
