@@ -139,6 +139,16 @@ class Engine:
                 self.draft_model.close()
             self.model.close()
 
+    def unusable(self) -> str | None:
+        """Why the engine cannot generate any more (closed, an RPC server of its model
+        lost), or None."""
+        if self._closed:
+            return "the engine is closed"
+        for m in (self.model, self.draft_model):
+            if m is not None and m.rpc is not None and m.rpc.lost():
+                return f"lost the connection to RPC server {', '.join(m.rpc.lost())}: restart the server"
+        return None
+
     def _check_open(self) -> None:
         if self._closed:
             raise LlamaError("the engine is closed")
@@ -229,6 +239,36 @@ class Engine:
             stop = [stop]
         rejection = verify != "exact" and not params.greedy and self.driver.speculate
         return Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt)
+
+    def submit(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
+               sampling: SamplingParams | None = None, verify: Verify | None = None,
+               cache_prompt: bool = True, **sampling_kw: Any) -> Request:
+        """Queue a generation without driving it, for a program that schedules many
+        from one thread (the server): ``step()`` makes progress on every queued and
+        running one; the returned request's ``chunks`` fill up as tokens are accepted
+        and ``done`` turns true with ``completion`` (or ``error``) set. ``cancel``
+        drops it. Same arguments as ``generate``."""
+        req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt)
+        self.slots.submit(req)
+        return req
+
+    def step(self) -> None:
+        """One scheduling step for every submitted request (see ``submit``): admit
+        waiting ones, one MTP round for all generating slots, one prompt chunk."""
+        with self._lock:
+            self._check_open()
+            self.slots.step()
+
+    def cancel(self, req: Request) -> None:
+        """Stop a submitted request and free its slot now (it ends with ``Cancelled``)."""
+        with self._lock:
+            if not self._closed and not req.done:
+                self.slots.drop(req)
+
+    @property
+    def busy(self) -> bool:
+        """Some submitted request is waiting for a slot or generating."""
+        return bool(self.slots.waiting) or self.slots.n_busy > 0
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], *, n_predict: int = -1,
                       stop: Sequence[str] = (), sampling: SamplingParams | None = None,

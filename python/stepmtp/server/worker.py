@@ -1,12 +1,17 @@
-"""The generation threads: one per slot of the engine, off the event loop.
+"""The generation thread: one thread schedules every request on the engine.
 
-Requests become ``Job``s in a FIFO queue. Each of the ``engine.n_parallel`` worker
-threads takes a job and runs its ``Engine.stream`` generator, handing what it
-yields to the event loop through a ``Channel``; the engine batches the threads'
-generations into the same decodes (``stepmtp.slots``). A job cancelled by its
-client (``Job.cancel``, e.g. on a disconnect) is stopped at its next token and its
-generator is closed right there, in its worker thread, so its slot is freed at once
-(never left to the garbage collector).
+Requests become ``Job``s in a FIFO queue. One scheduling thread submits them to the
+engine (``Engine.submit``), steps it while any is running (``Engine.step``: one MTP
+round for all generating slots, batched, and a prompt chunk), and hands each job's
+chunks to the event loop through its ``Channel``. A job cancelled by its client
+(``Job.cancel``, e.g. on a disconnect) is dropped after the current step, its slot
+freed at once.
+
+One thread, not one per slot: llama.cpp's CPU backend runs its graphs on an OpenMP
+thread team owned by the calling thread. With a thread per slot taking turns, every
+slot thread keeps a team; once there are more team threads than cores, libgomp
+stops spinning at its barriers and sleeps at each of them (measured: 2-4x slower
+per token with 4 slot threads, 2 llama.cpp threads, 2 cores).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine import Chunk, Completion, Engine
-from ..slots import Cancelled
+from ..slots import Cancelled, Request
 from ..sampling import SamplingParams
 
 log = logging.getLogger("stepmtp.server")
@@ -105,8 +110,8 @@ class Job:
 
 
 class Worker:
-    """Runs jobs on ``engine`` in ``engine.n_parallel`` threads, started in the order
-    submitted.
+    """Runs jobs on ``engine`` from one scheduling thread, started in the order
+    submitted, up to ``engine.n_parallel`` at once.
 
     ``on_done(job, completion_or_None, error_or_None, tokens_seen)`` runs in the
     worker thread after every job that started (metrics hook).
@@ -118,22 +123,25 @@ class Worker:
         self.on_done = on_done
         self.on_start = on_start
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self.running: dict[int, Job] = {}
+        #: submitted to the engine, not finished: job id -> (job, its engine request)
+        self._active: dict[int, tuple[Job, Request]] = {}
+        #: tokens handed to each active job's channel so far
+        self._seen: dict[int, int] = {}
         self._stopping = False
-        n = engine.n_parallel
-        self._threads = [threading.Thread(target=self._loop, name=f"stepmtp-slot-{i}", daemon=True)
-                         for i in range(n)]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._loop, name="stepmtp-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> dict[int, Job]:
+        return {jid: job for jid, (job, req) in list(self._active.items()) if req.state.seq_id >= 0}
 
     @property
     def n_waiting(self) -> int:
-        return self._jobs.qsize()
+        return self._jobs.qsize() + len(self._active) - self.n_running
 
     @property
     def n_running(self) -> int:
-        return len(self.running)
-
+        return sum(req.state.seq_id >= 0 and not req.done for _, req in list(self._active.values()))
 
     def submit(self, job: Job) -> None:
         if self._stopping:
@@ -141,7 +149,7 @@ class Worker:
         self._jobs.put(job)
 
     def cancel_all(self, reason: str = "the server is shutting down") -> None:
-        """Refuse new jobs, cancel the running one, drop the waiting ones (each is told why)."""
+        """Refuse new jobs, cancel the running ones, drop the waiting ones (each is told why)."""
         self._stopping = True
         while True:
             try:
@@ -151,65 +159,80 @@ class Worker:
             if job is not None:
                 job.cancel()
                 job.channel.put("error", Cancelled(reason))
-        for cur in list(self.running.values()):
-            cur.cancel()
+        for job, _ in list(self._active.values()):
+            job.cancel()
 
     def stop(self, timeout: float = 10.0) -> bool:
-        """``cancel_all``, then end the threads; True when they ended."""
+        """``cancel_all``, then end the thread; True when it ended."""
         self.cancel_all()
-        for _ in self._threads:
-            self._jobs.put(None)
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads)
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # -- the thread -------------------------------------------------------------
 
     def _loop(self) -> None:
+        eng = self.engine
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                job.channel.put("error", Cancelled("cancelled while queued"))
-                continue
-            self.running[job.id] = job
+            # wait for work only when there is nothing to step
             try:
-                self._run(job)
-            finally:
-                self.running.pop(job.id, None)
+                job = self._jobs.get(block=not self._active)
+            except queue.Empty:
+                job = False  # type: ignore[assignment]
+            while job is not False:
+                if job is None:
+                    self._cancel_active()
+                    return
+                self._start(job)
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            for job, req in list(self._active.values()):
+                if job.cancelled.is_set() and not req.done:
+                    eng.cancel(req)
+            if eng.busy:
+                try:
+                    eng.step()
+                except BaseException as e:  # noqa: BLE001 - a bug or a closed engine: fail, go on
+                    log.exception("engine step failed")
+                    for job, req in list(self._active.values()):
+                        eng.cancel(req)
+                        req.fail(e)
+            self._deliver()
 
-    def _run(self, job: Job) -> None:
-        req = job.request
-        result: Completion | None = None
-        error: BaseException | None = None
-        n_seen = 0
+    def _start(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.channel.put("error", Cancelled("cancelled while queued"))
+            return
         if self.on_start is not None:
             self.on_start(job)
+        req = job.request
         try:
-            gen = self.engine.stream(req.prompt_tokens, n_predict=req.n_predict, stop=req.stop,
-                                     sampling=req.sampling, cache_prompt=req.cache_prompt)
+            handle = self.engine.submit(req.prompt_tokens, n_predict=req.n_predict, stop=req.stop,
+                                        sampling=req.sampling, cache_prompt=req.cache_prompt)
         except BaseException as e:  # noqa: BLE001 - reported to the request
-            error = e
-        else:
-            try:
-                while True:
-                    if job.cancelled.is_set():
-                        error = Cancelled("the server is shutting down" if self._stopping else "cancelled")
-                        break
-                    try:
-                        chunk: Chunk = next(gen)
-                    except StopIteration as done:
-                        result = done.value
-                        break
-                    n_seen += len(chunk.tokens)
-                    if req.stream:
-                        job.channel.put("chunk", chunk)
-            except BaseException as e:  # noqa: BLE001
-                error = e
-            finally:
-                gen.close()  # releases the engine's lock now, in this thread
+            self._finish(job, None, e, 0)
+            return
+        self._active[job.id] = (job, handle)
+        self._seen[job.id] = 0
+
+    def _deliver(self) -> None:
+        for jid, (job, req) in list(self._active.items()):
+            while req.chunks:
+                chunk: Chunk = req.chunks.popleft()
+                self._seen[jid] += len(chunk.tokens)
+                if job.request.stream:
+                    job.channel.put("chunk", chunk)
+            if req.done:
+                del self._active[jid]
+                n_seen = self._seen.pop(jid)
+                error = req.error
+                if isinstance(error, Cancelled) and self._stopping:
+                    error = Cancelled("the server is shutting down")
+                self._finish(job, req.completion if error is None else None, error, n_seen)
+
+    def _finish(self, job: Job, result: Completion | None, error: BaseException | None, n_seen: int) -> None:
         if error is not None and not isinstance(error, Cancelled):
             log.error("generation failed: %s: %s", type(error).__name__, error)
         if self.on_done is not None:
@@ -221,3 +244,8 @@ class Worker:
             job.channel.put("error", error)
         else:
             job.channel.put("done", result)
+
+    def _cancel_active(self) -> None:
+        for job, req in list(self._active.values()):
+            self.engine.cancel(req)
+        self._deliver()
