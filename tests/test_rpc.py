@@ -250,6 +250,9 @@ def test_http_server_over_rpc(agree, tmp_path):
         pair[0].stop()
         r = httpx.post(f"{url}/completion", json=body, timeout=60)
         assert r.status_code == 500 and pair[0].endpoint in r.json()["error"]["message"]
+        # and the server says it is unhealthy, so that a load balancer drains it
+        h = httpx.get(f"{url}/health", timeout=10)
+        assert h.status_code == 503 and pair[0].endpoint in h.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(30)

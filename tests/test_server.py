@@ -492,6 +492,10 @@ def test_api_key(server):
     for public in ("/health", "/v1/health", "/v1/models", "/models"):
         assert httpx.get(server.url + public, timeout=30).status_code == 200, public
     assert httpx.get(server.url + "/metrics", timeout=30).status_code == 401
+    # the API docs and /slots (other clients' prompts) are not public either
+    for private in ("/slots", "/docs", "/redoc", "/openapi.json", "/props"):
+        assert httpx.get(server.url + private, timeout=30).status_code == 401, private
+    assert httpx.get(server.url + "/openapi.json", headers=AUTH, timeout=30).status_code == 200
 
 
 def test_unknown_route_and_method(client):

@@ -521,7 +521,7 @@ class MTPDriver:
         if s.rejection:
             hist = s.tokens
             out = verify_rejection(
-                s.sampler, lambda i: s.sampler.dense(logits[i], hist + drafts[:i]), drafts, s.q[:n]
+                s.sampler, lambda i: s.sampler.dense(logits[i], hist, drafts[:i]), drafts, s.q[:n]
             )
             s.tokens.extend(out)
         else:
@@ -722,7 +722,7 @@ class MTPDriver:
             # drawn from the head's distribution under the request's settings; q kept
             # for verification
             q = s.q[i]
-            q[:] = s.sampler.dense(logits, s.tokens + s.drafts if s.sampler.penalizes else s.tokens)
+            q[:] = s.sampler.dense(logits, s.tokens, s.drafts)
             tok = s.sampler.draw(q)
             return tok, float(q[tok]), h
         if self._need_p:

@@ -56,11 +56,20 @@ class SamplingParams:
         return replace(self, **kw)
 
 
+#: penalty windows longer than this (or the whole history, repeat_last_n = -1) keep
+#: their token counts up to date as the history grows, instead of recounting the
+#: window for every sampled row
+DENSE_WINDOW = 2048
+
+
 class Sampler:
     """Samples the target's tokens for one sequence.
 
-    ``history`` passed to ``sample`` is the sequence's tokens so far (prompt and
-    generated), which the repetition penalties look at.
+    ``history`` passed to ``sample`` (and the others) is the sequence's tokens so far
+    (prompt and generated), which the repetition penalties look at: one list that only
+    grows. ``extra`` are tokens after it that are not part of it yet (the drafts
+    before the row being verified); passing them apart keeps a row's cost
+    independent of the history's length.
     """
 
     def __init__(self, params: SamplingParams) -> None:
@@ -71,20 +80,37 @@ class Sampler:
         self._penalize = (
             p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         ) and p.repeat_last_n != 0
+        # long windows: counts per token of history[synced - W : synced]
+        self._dense = self._penalize and (p.repeat_last_n == -1 or p.repeat_last_n > DENSE_WINDOW)
+        self._counts: np.ndarray | None = None
+        self._synced = 0
 
     @property
     def penalizes(self) -> bool:
         """Whether the history changes the distribution (repetition penalties)."""
         return self._penalize
 
-    def _penalties(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+    def _sync(self, history: Sequence[int], n_vocab: int) -> np.ndarray:
+        """The long window's counts, brought up to ``history``'s end."""
+        W = self.params.repeat_last_n
+        L = len(history)
+        if self._counts is None or L < self._synced or self._counts.shape[0] != n_vocab:
+            self._counts = np.zeros(n_vocab, dtype=np.float32)
+            self._synced = max(0, L - W) if W > 0 else 0
+        c = self._counts
+        for j in range(self._synced, L):
+            t = history[j]
+            if 0 <= t < n_vocab:
+                c[t] += 1
+            if W > 0 and j >= W:
+                old = history[j - W]
+                if 0 <= old < n_vocab:
+                    c[old] -= 1
+        self._synced = L
+        return c
+
+    def _apply(self, logits: np.ndarray, ids: np.ndarray, cnt: np.ndarray) -> np.ndarray:
         p = self.params
-        window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n:]
-        if not len(window):
-            return logits
-        counts = Counter(int(t) for t in window)
-        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
-        cnt = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
         out = logits.copy()
         sel = out[ids]
         sel = np.where(sel <= 0, sel * p.repeat_penalty, sel / p.repeat_penalty)
@@ -92,10 +118,45 @@ class Sampler:
         out[ids] = sel
         return out
 
-    def transform(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+    def _penalties(self, logits: np.ndarray, history: Sequence[int], extra: Sequence[int]) -> np.ndarray:
+        W = self.params.repeat_last_n
+        k = len(extra)
+        if not self._dense:
+            # a short window: count it (its tokens: the end of history, then extra)
+            win = list(extra[-W:]) if k >= W else [*history[max(0, len(history) - (W - k)):], *extra]
+            if not win:
+                return logits
+            counts = Counter(int(t) for t in win)
+            ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+            cnt = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+            return self._apply(logits, ids, cnt)
+        n_vocab = logits.shape[0]
+        c = self._sync(history, n_vocab)
+        # extra shifts the window by k: its tokens in, (for a bounded window) the k oldest out
+        L = len(history)
+        moved = [(int(t), 1.0) for t in extra if 0 <= t < n_vocab]
+        if W > 0:
+            moved += [(int(history[j]), -1.0) for j in range(max(0, L - W), max(0, L - W + k))
+                      if 0 <= history[j] < n_vocab]
+        for t, d in moved:
+            c[t] += d
+        try:
+            # over the whole vocabulary at once: a long window holds a good part of it,
+            # and gathering tens of thousands of ids costs more than a dense pass
+            p = self.params
+            has = c > 0
+            out = np.where(logits <= 0, logits * p.repeat_penalty, logits / p.repeat_penalty)
+            if p.frequency_penalty or p.presence_penalty:
+                out -= c * p.frequency_penalty + has * p.presence_penalty
+            return np.where(has, out, logits).astype(logits.dtype, copy=False)
+        finally:
+            for t, d in moved:
+                c[t] -= d
+
+    def transform(self, logits: np.ndarray, history: Sequence[int] = (), extra: Sequence[int] = ()) -> np.ndarray:
         """Logits after penalties and bias (what greedy picks the argmax of)."""
         if self._penalize:
-            logits = self._penalties(logits, history)
+            logits = self._penalties(logits, history, extra)
         if self.params.logit_bias:
             logits = logits.copy() if not self._penalize else logits
             for t, b in self.params.logit_bias.items():
@@ -103,10 +164,11 @@ class Sampler:
                     logits[t] += b
         return logits
 
-    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = (),
+                     extra: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The candidates and their probabilities after the whole chain (temperature > 0)."""
         p = self.params
-        logits = self.transform(logits, history)
+        logits = self.transform(logits, history, extra)
         n = logits.shape[0]
         k = p.top_k if 0 < p.top_k < n else n
         if k < n:
@@ -129,21 +191,21 @@ class Sampler:
         probs /= probs.sum()
         return ids, probs
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+    def sample(self, logits: np.ndarray, history: Sequence[int] = (), extra: Sequence[int] = ()) -> int:
         """One token from a row of logits."""
         if self.params.greedy:
-            return int(np.argmax(self.transform(logits, history)))
-        ids, probs = self.distribution(logits, history)
+            return int(np.argmax(self.transform(logits, history, extra)))
+        ids, probs = self.distribution(logits, history, extra)
         return int(ids[self.draw(probs)])
 
-    def dense(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+    def dense(self, logits: np.ndarray, history: Sequence[int] = (), extra: Sequence[int] = ()) -> np.ndarray:
         """The whole chain's distribution over the vocabulary (float64, sums to 1);
         one-hot at the argmax when greedy."""
         out = np.zeros(logits.shape[0], dtype=np.float64)
         if self.params.greedy:
-            out[int(np.argmax(self.transform(logits, history)))] = 1.0
+            out[int(np.argmax(self.transform(logits, history, extra)))] = 1.0
         else:
-            ids, probs = self.distribution(logits, history)
+            ids, probs = self.distribution(logits, history, extra)
             out[ids] = probs
         return out
 

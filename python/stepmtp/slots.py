@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import re
 import logging
 import threading
 import time
@@ -66,47 +67,62 @@ class Completion:
 
 class TextAssembler:
     """Turns a token stream into text, holding back what may become a stop string
-    and bytes that do not yet form a whole UTF-8 character."""
+    and bytes that do not yet form a whole UTF-8 character.
+
+    The cost per token does not grow with the output: text is only searched where a
+    stop string can still begin, the text not yet sent (``pending``): everything
+    sent was checked not to end with the beginning of any stop string.
+    """
 
     def __init__(self, stop: Sequence[str]) -> None:
         self.stop = [s for s in stop if s]
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.text = ""
-        self.sent = 0
+        self._sent: list[str] = []
+        self.pending = ""
         self.stopping_word = ""
+        # the leftmost match; at one position the first stop string given wins (llama-server)
+        alts = list(dict.fromkeys(self.stop))
+        self._re = re.compile("|".join(map(re.escape, alts))) if alts else None
+        self._prefixes = {s[:k] for s in self.stop for k in range(1, len(s))}
+        self._max_prefix = max((len(s) - 1 for s in self.stop), default=0)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._sent) + self.pending
 
     def push(self, piece: bytes) -> bool:
         """Add a token's bytes; True when a stop string has appeared (text cut before it)."""
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
-        self.text += self.decoder.decode(piece)
-        for s in self.stop:
-            j = self.text.find(s, start)
-            if j >= 0:
-                self.text = self.text[:j]
-                self.stopping_word = s
+        self.pending += self.decoder.decode(piece)
+        if self._re is not None:
+            m = self._re.search(self.pending)
+            if m is not None:
+                self.pending = self.pending[: m.start()]
+                self.stopping_word = m.group()
+                # bytes of a half-decoded character after the stop string are not text
+                self.decoder.reset()
                 return True
         return False
 
     def take(self, final: bool = False) -> str:
         """Text that can be sent now (all of it when final)."""
         if final:
-            self.text += self.decoder.decode(b"", final=True)
-            end = len(self.text)
+            if not self.stopping_word:
+                self.pending += self.decoder.decode(b"", final=True)
+            out = self.pending
         else:
-            end = len(self.text) - self._held()
-        out = self.text[self.sent : end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
+            out = self.pending[: len(self.pending) - self._held()]
+        if out:
+            self.pending = self.pending[len(out):]
+            self._sent.append(out)
         return out
 
     def _held(self) -> int:
-        # the longest tail of the text that is a proper prefix of a stop string
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        # the longest tail of the pending text that is a proper prefix of a stop string
+        p = self.pending
+        for k in range(min(self._max_prefix, len(p)), 0, -1):
+            if p[-k:] in self._prefixes:
+                return k
+        return 0
 
 
 _task_ids = itertools.count()

@@ -9,6 +9,7 @@ parses, tokenizes (large inputs in the thread pool) and writes responses, so ``/
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
 import time
@@ -43,9 +44,9 @@ log = logging.getLogger("stepmtp.server")
 
 M = TypeVar("M", bound=BaseModel)
 
-#: reachable without an API key (llama-server's public endpoints, and the API docs)
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models",
-                          "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+#: reachable without an API key: llama-server's public endpoints, no more (the API docs
+#: and /slots, which shows other clients' prompts, need the key too)
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/"})
 #: reachable while the model loads
 LOADING_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -193,7 +194,7 @@ class GateMiddleware:
             key = headers.get("authorization", "") or headers.get("x-api-key", "")
             if key.startswith("Bearer "):
                 key = key[len("Bearer "):]
-            if key not in keys:
+            if not _key_matches(key, keys):
                 log.warning("unauthorized: Invalid API Key")
                 await JSONResponse(error_body("Invalid API Key", "authentication_error"),
                                    status_code=401)(scope, receive, send)
@@ -291,7 +292,12 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
     @app.get("/health", tags=["server"], summary="200 when ready, 503 while the model loads")
     @app.get("/v1/health", include_in_schema=False)
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        # an engine that lost what it runs on (an RPC server) is not healthy: load
+        # balancers drain it rather than send requests that fail
+        why = st.engine.unusable() if st.engine is not None else None
+        if why:
+            return JSONResponse(error_body(why, "unavailable_error"), status_code=503)
         return {"status": "ok"}
 
     @app.get("/props", tags=["server"], summary="Server properties, as llama-server's")
@@ -826,6 +832,16 @@ def _tokenize_pieces(eng: Engine, pieces: PromptPieces, add_special: bool, parse
         else:
             out.append(p)
     return out
+
+
+def _key_matches(key: str, keys: list[str]) -> bool:
+    """Whether ``key`` is one of ``keys``, in time that does not depend on how much
+    of it matches (every key is compared)."""
+    given = key.encode("utf-8", "surrogateescape")
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(given, k.encode("utf-8", "surrogateescape"))
+    return ok
 
 
 def _check_tokens(eng: Engine, tokens: list[int]) -> None:

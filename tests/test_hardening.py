@@ -1,0 +1,132 @@
+"""Per-token costs that do not grow with history, stop strings and UTF-8, use after close."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from stepmtp import Engine, LlamaError, SamplingParams
+from stepmtp.sampling import Sampler
+from stepmtp.slots import TextAssembler
+
+
+def naive_penalties(p: SamplingParams, logits: np.ndarray, window: list[int]) -> np.ndarray:
+    out = logits.copy()
+    for t, c in Counter(window).items():
+        v = out[t]
+        v = v * p.repeat_penalty if v <= 0 else v / p.repeat_penalty
+        out[t] = v - c * p.frequency_penalty - p.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize("last_n", [64, 3000, -1])
+def test_incremental_penalties_equal_a_recount(last_n):
+    rng = np.random.default_rng(0)
+    p = SamplingParams(temperature=0, repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1,
+                       repeat_last_n=last_n)
+    s = Sampler(p)
+    hist: list[int] = []
+    for step in range(60):
+        hist.extend(rng.integers(0, 500, size=int(rng.integers(1, 200))).tolist())
+        extra = rng.integers(0, 500, size=int(rng.integers(0, 4))).tolist()
+        logits = rng.normal(size=500).astype(np.float32)
+        full = hist + extra
+        window = full if last_n == -1 else full[-last_n:]
+        np.testing.assert_allclose(s.transform(logits, hist, extra), naive_penalties(p, logits, window),
+                                   rtol=1e-6, atol=1e-6)
+
+
+class CountingList(list):
+    """A history that counts the entries read from it."""
+
+    reads = 0
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204
+        v = super().__getitem__(i)
+        CountingList.reads += len(v) if isinstance(i, slice) else 1
+        return v
+
+
+@pytest.mark.parametrize("last_n", [-1, 50_000])
+def test_penalty_work_per_row_does_not_grow_with_history(last_n):
+    """A long penalty window (all the history, or 50k tokens) is counted once; after
+    that a row reads only the tokens added since the last row (and the window's
+    oldest ones for a bounded window), whatever the history's length."""
+    rng = np.random.default_rng(1)
+    s = Sampler(SamplingParams(temperature=0, repeat_penalty=1.1, repeat_last_n=last_n))
+    logits = rng.normal(size=1000).astype(np.float32)
+    hist = CountingList(rng.integers(0, 1000, size=100_000).tolist())
+    s.sample(logits, hist)
+    for _ in range(20):
+        hist.append(int(rng.integers(0, 1000)))
+        CountingList.reads = 0
+        s.sample(logits, hist, [1, 2, 3])
+        assert CountingList.reads <= 2 * (1 + 3), CountingList.reads
+
+
+def feed(asm: TextAssembler, pieces: list[bytes]) -> tuple[str, bool]:
+    out = []
+    for piece in pieces:
+        if asm.push(piece):
+            out.append(asm.take(final=True))
+            return "".join(out), True
+        out.append(asm.take())
+    out.append(asm.take(final=True))
+    return "".join(out), False
+
+
+def test_stop_string_with_a_half_decoded_character_after_it():
+    # "é" is two bytes; the stop string matches while its first byte is pending
+    asm = TextAssembler(["END"])
+    text, stopped = feed(asm, [b"ab", b"EN", b"D\xc3", b"\xa9"])
+    assert stopped and text == "ab" and "\ufffd" not in asm.text and asm.stopping_word == "END"
+
+
+@pytest.mark.parametrize("stops", [["</s>"], ["xx", "</s>"], ["</s>", "s>"]])
+def test_stop_strings_at_every_chunking(stops):
+    data = "hello </s> world".encode()
+    want = "hello "
+    for cut in range(1, len(data)):
+        pieces = [data[:cut], data[cut:]]
+        text, stopped = feed(TextAssembler(stops), pieces)
+        assert stopped and text == want, (cut, text)
+    # a partial stop string at the end is held back, then sent when it does not complete
+    asm = TextAssembler(["</s>"])
+    assert asm.push(b"a</") is False and asm.take() == "a"
+    assert asm.push(b"x") is False and asm.take() == "</x"
+
+
+def test_stop_strings_leftmost_first_given_wins():
+    asm = TextAssembler(["bc", "abc", "b"])
+    assert asm.push(b"xabcd")
+    assert asm.text == "x" and asm.stopping_word == "abc"
+    asm = TextAssembler(["b", "bc"])
+    assert asm.push(b"abc") and asm.stopping_word == "b"
+
+
+def test_stop_scan_looks_only_at_unsent_text():
+    """What a token's stop check searches (the unsent text) stays as short as the
+    longest stop string, however long the output: 100 stop strings cost the same per
+    token at the 100th token and at the 20,000th."""
+    stops = [f"<stop-{i:03d}-{'x' * 90}>" for i in range(100)]
+    asm = TextAssembler(stops)
+    longest = max(map(len, stops))
+    for i in range(20_000):
+        asm.push(b"<stop-0" if i % 3 == 0 else b"word ")
+        asm.take()
+        assert len(asm.pending) < longest
+    assert len(asm.text) > 100_000
+
+
+def test_engine_after_close_raises(tiny):
+    eng = Engine(tiny["embedded"], mode="chain", n_ctx=256)
+    gen = eng.stream("def f():", n_predict=8, temperature=0)
+    next(gen)
+    eng.close()
+    gen.close()  # its cleanup must not touch the freed KV
+    for call in (lambda: eng.tokenize("x"), lambda: eng.detokenize([1]),
+                 lambda: eng.generate("x", n_predict=1), lambda: eng.model.tokenize("x")):
+        with pytest.raises(LlamaError, match="closed"):
+            call()
+    eng.close()  # twice is fine
