@@ -193,13 +193,19 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                  sampling: SamplingParams | None = None, verify: Verify | None = None,
-                 cache_prompt: bool = True, **sampling_kw: Any) -> Completion:
+                 cache_prompt: bool = True, n_probs: int = 0,
+                 post_sampling_probs: bool = False, **sampling_kw: Any) -> Completion:
         """Generate a completion. ``sampling_kw`` are SamplingParams fields
         (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...); ``verify``
         overrides the engine's verification (exact, rejection, auto) for this request.
         ``cache_prompt``: reuse the KV of the longest prefix the slot still holds from
-        its previous request (llama-server's default); the output is the same."""
-        gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt))
+        its previous request (llama-server's default); the output is the same.
+        ``n_probs``: report each token's probability and the n most likely tokens'
+        (``Completion.probs``, ``Chunk.probs``), from the target's raw logits, or after
+        the sampling chain with ``post_sampling_probs``; accepted drafts get the
+        probabilities plain decoding would report for them."""
+        gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
+                                           n_probs, post_sampling_probs))
         while True:
             try:
                 next(gen)
@@ -208,14 +214,17 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
-               cache_prompt: bool = True, **sampling_kw: Any) -> Iterator[Chunk]:
+               cache_prompt: bool = True, n_probs: int = 0,
+                 post_sampling_probs: bool = False, **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
         return value (``StopIteration.value``) is the Completion."""
-        return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt))
+        return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
+                                           n_probs, post_sampling_probs))
 
     def _request(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
                  sampling: SamplingParams | None, sampling_kw: dict[str, Any],
-                 verify: Verify | None = None, cache_prompt: bool = True) -> Request:
+                 verify: Verify | None = None, cache_prompt: bool = True, n_probs: int = 0,
+                 post_sampling_probs: bool = False) -> Request:
         self._check_open()
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
@@ -238,17 +247,22 @@ class Engine:
         if isinstance(stop, str):
             stop = [stop]
         rejection = verify != "exact" and not params.greedy and self.driver.speculate
-        return Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt)
+        if isinstance(n_probs, bool) or not isinstance(n_probs, int) or n_probs < 0:
+            raise ValueError(f"n_probs must be a non-negative integer, not {n_probs!r}")
+        return Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt,
+                       n_probs=n_probs, post_probs=post_sampling_probs)
 
     def submit(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
-               cache_prompt: bool = True, **sampling_kw: Any) -> Request:
+               cache_prompt: bool = True, n_probs: int = 0,
+                 post_sampling_probs: bool = False, **sampling_kw: Any) -> Request:
         """Queue a generation without driving it, for a program that schedules many
         from one thread (the server): ``step()`` makes progress on every queued and
         running one; the returned request's ``chunks`` fill up as tokens are accepted
         and ``done`` turns true with ``completion`` (or ``error``) set. ``cancel``
         drops it. Same arguments as ``generate``."""
-        req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt)
+        req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
+                                           n_probs, post_sampling_probs)
         self.slots.submit(req)
         return req
 

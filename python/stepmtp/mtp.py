@@ -57,7 +57,7 @@ import numpy as np
 
 from .adaptive import AdaptiveLength, RoundCosts
 from .llama import Batch, Context
-from .sampling import Sampler, draft_pick, verify_rejection
+from .sampling import Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
 
 __all__ = ["SpecConfig", "SeqState", "RoundTrace", "MTPDriver", "Mode", "Schedule", "Verify"]
@@ -192,6 +192,11 @@ class SeqState:
     row: int = -1
     #: adaptive length: the heads to be used were up to date when the round began
     steady: bool = True
+    #: token probabilities to report (llama-server's n_probs; post: after the sampling
+    #: chain): one TokenProbs per token sampled, in order, drafts accepted included
+    n_probs: int = 0
+    post_probs: bool = False
+    token_probs: list[TokenProbs] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -448,7 +453,10 @@ class MTPDriver:
             s.pending_h = h[-1].copy()
         s.n_prefilled = a + len(chunk)
         if last:
-            s.id_last = s.sampler.sample(self.target.logits(-1), s.tokens)
+            row = self.target.logits(-1)
+            s.id_last = s.sampler.sample(row, s.tokens)
+            if s.n_probs:
+                s.token_probs.append(self._probs(s, row, s.id_last))
             s.tokens.append(s.id_last)
             s.pos = n
             if self.fused and self.speculate:
@@ -520,14 +528,23 @@ class MTPDriver:
             self._log_h(s, r, verify_h)
         if s.rejection:
             hist = s.tokens
-            out = verify_rejection(
-                s.sampler, lambda i: s.sampler.dense(logits[i], hist, drafts[:i]), drafts, s.q[:n]
-            )
+            p_rows: dict[int, np.ndarray] = {}
+
+            def p_row(i: int) -> np.ndarray:
+                p_rows[i] = s.sampler.dense(logits[i], hist, drafts[:i])
+                return p_rows[i]
+
+            out = verify_rejection(s.sampler, p_row, drafts, s.q[:n])
+            if s.n_probs:
+                # each token was drawn from the target's row for its position
+                s.token_probs += [self._probs(s, logits[i], tok, p_rows.get(i)) for i, tok in enumerate(out)]
             s.tokens.extend(out)
         else:
             out = []
             for i in range(n + 1):
                 tok = s.sampler.sample(logits[i], s.tokens)
+                if s.n_probs:
+                    s.token_probs.append(self._probs(s, logits[i], tok))
                 out.append(tok)
                 s.tokens.append(tok)
                 if i == n or tok != drafts[i]:
@@ -550,6 +567,15 @@ class MTPDriver:
                      for k in range(self.n_heads)]
             s.trace.append(RoundTrace(r, list(drafts), s.probs[:n], a, out, cells, list(s.kv_valid)))
         return out
+
+    def _probs(self, s: SeqState, row: np.ndarray, tok: int, dense: np.ndarray | None = None) -> TokenProbs:
+        """The reported probabilities of ``tok``, sampled from the target's ``row``
+        (the same row plain decoding samples that position from)."""
+        if not s.post_probs:
+            return raw_probs(row, tok, s.n_probs)
+        if dense is None:
+            dense = s.sampler.dense(row, s.tokens)
+        return chain_probs(dense, tok, s.n_probs)
 
     def _drafting(self, seqs: list[SeqState], i: int) -> list[SeqState]:
         """The sequences that draft step i: planned that far, not stopped by p_min."""

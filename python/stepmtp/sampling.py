@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "draft_pick", "verify_rejection"]
+__all__ = ["SamplingParams", "Sampler", "TokenProbs", "draft_pick", "verify_rejection", "raw_probs"]
 
 DRAFT_TOP_K = 10
 
@@ -238,6 +238,40 @@ def verify_rejection(sampler: Sampler, p_row: Callable[[int], np.ndarray], draft
         return out
     out.append(sampler.draw(p_row(n)))
     return out
+
+
+@dataclass
+class TokenProbs:
+    """What llama-server reports for one generated token (``n_probs``): the token's
+    probability and the ``n`` most likely tokens with theirs, either from the raw
+    logits (``post`` False: llama-server's default, reported as log-probabilities) or
+    after the sampling chain (``post`` True: probabilities)."""
+
+    token: int
+    p: float
+    top: list[tuple[int, float]]
+    post: bool = False
+
+
+def raw_probs(logits: np.ndarray, token: int, n: int) -> TokenProbs:
+    """Softmax of a raw logits row: the token's probability and the n best's."""
+    row = logits.astype(np.float64)
+    m = row.max()
+    z = np.exp(row - m)
+    total = z.sum()
+    k = min(n, row.shape[0])
+    top = np.argpartition(-row, k - 1)[:k] if k < row.shape[0] else np.arange(row.shape[0])
+    top = top[np.argsort(-row[top], kind="stable")]
+    return TokenProbs(token, float(z[token] / total), [(int(t), float(z[t] / total)) for t in top])
+
+
+def chain_probs(dense: np.ndarray, token: int, n: int) -> TokenProbs:
+    """The sampling chain's distribution (``Sampler.dense``): the token's probability
+    and the n best candidates with a probability above zero."""
+    k = min(n, int(np.count_nonzero(dense)))
+    top = np.argpartition(-dense, k - 1)[:k] if 0 < k < dense.shape[0] else np.flatnonzero(dense)
+    top = top[np.argsort(-dense[top], kind="stable")][:k]
+    return TokenProbs(token, float(dense[token]), [(int(t), float(dense[t])) for t in top], post=True)
 
 
 def draft_pick(logits: np.ndarray) -> tuple[int, float]:

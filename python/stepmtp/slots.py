@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 from .llama import LlamaError
 from .mtp import MTPDriver, RoundTrace, SeqState, common_prefix
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenProbs
 from .stats import GenStats
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ class Chunk:
     tokens: list[int]
     #: set on the last chunk only
     finish_reason: str | None = None
+    #: with n_probs: each token's probabilities
+    probs: list[TokenProbs] = field(default_factory=list)
 
 
 @dataclass
@@ -63,6 +65,8 @@ class Completion:
     stats: GenStats = field(default_factory=GenStats)
     #: debug mode only: what each round drafted and accepted
     trace: list[RoundTrace] | None = None
+    #: with n_probs: each generated token's probabilities (end of generation excluded)
+    probs: list[TokenProbs] = field(default_factory=list)
 
 
 class TextAssembler:
@@ -133,14 +137,18 @@ class Request:
     and not yet taken by its consumer (appended by whichever thread steps)."""
 
     def __init__(self, prompt_tokens: list[int], n_predict: int, stop: Sequence[str],
-                 params: SamplingParams, rejection: bool, cache_prompt: bool = True) -> None:
+                 params: SamplingParams, rejection: bool, cache_prompt: bool = True,
+                 n_probs: int = 0, post_probs: bool = False) -> None:
         self.id = next(_task_ids)
         self.prompt_tokens = prompt_tokens
         #: reuse the prefix its slot's KV holds from the slot's last request
         self.cache_prompt = cache_prompt
         self.n_predict = n_predict
         self.params = params
-        self.state = SeqState(seq_id=-1, sampler=Sampler(params), rejection=rejection)
+        self.state = SeqState(seq_id=-1, sampler=Sampler(params), rejection=rejection, n_probs=n_probs,
+                              post_probs=post_probs)
+        self.probs: list[TokenProbs] = []
+        self._unsent_probs: list[TokenProbs] = []
         self.asm = TextAssembler(stop)
         self.out_tokens: list[int] = []
         self.stop_type: StopType = "none"
@@ -165,18 +173,24 @@ class Request:
         if not self._t_gen:
             self._t_gen = time.perf_counter()
         unsent: list[int] = []
-        for tok in tokens:
+        # the round's tokens' probabilities, in the same order (n_probs)
+        probs, self.state.token_probs = self.state.token_probs, []
+        for i, tok in enumerate(tokens):
             if model.is_eog(tok):
                 self.stop_type, self.finish = "eos", "stop"
                 break
+            tp = [probs[i]] if probs else []
+            self.probs += tp
             self.out_tokens.append(tok)
             if self.asm.push(model.token_to_piece(tok)):
                 self.stop_type, self.finish, unsent = "word", "stop", [tok]
+                self._unsent_probs = tp
                 break
             if 0 < self.n_predict <= len(self.out_tokens):
                 self.stop_type, self.finish, unsent = "limit", "length", [tok]
+                self._unsent_probs = tp
                 break
-            self.chunks.append(Chunk(self.asm.take(), [tok]))
+            self.chunks.append(Chunk(self.asm.take(), [tok], probs=tp))
         else:
             if self.state.pos >= n_ctx_seq:  # no room to decode id_last: the context is full
                 self.stop_type, self.finish = "limit", "length"
@@ -188,7 +202,8 @@ class Request:
         if self._t_gen:
             st.t_gen_ms += (time.perf_counter() - self._t_gen) * 1e3
         st.n_predicted = len(self.out_tokens) + (self.stop_type == "eos")
-        self.chunks.append(Chunk(self.asm.take(final=True), unsent, finish_reason=self.finish))
+        self.chunks.append(Chunk(self.asm.take(final=True), unsent, finish_reason=self.finish,
+                                 probs=self._unsent_probs))
         self.completion = Completion(
             text=self.asm.text,
             tokens=self.out_tokens,
@@ -198,6 +213,7 @@ class Request:
             prompt_tokens=self.prompt_tokens,
             stats=st,
             trace=self.state.trace,
+            probs=self.probs,
         )
 
     def fail(self, error: BaseException) -> None:

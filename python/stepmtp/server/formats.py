@@ -9,10 +9,10 @@ import secrets
 import string
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..engine import Completion
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenProbs
 from ..stats import GenStats
 
 _ALNUM = string.digits + string.ascii_uppercase + string.ascii_lowercase
@@ -56,6 +56,8 @@ class Settings:
     n_min: int = 0
     p_min: float = 0.0
     mtp_mode: str = "chain"
+    n_probs: int = 0
+    post_sampling_probs: bool = False
 
 
 def generation_settings(s: Settings) -> dict[str, Any]:
@@ -94,7 +96,7 @@ def generation_settings(s: Settings) -> dict[str, Any]:
         "ignore_eos": s.ignore_eos,
         "stream": s.stream,
         "logit_bias": [{"bias": b, "token": t} for t, b in s.logit_bias],  # None: -inf, as nlohmann writes it
-        "n_probs": 0,
+        "n_probs": s.n_probs,
         "min_keep": 0,
         "grammar": "",
         "grammar_lazy": False,
@@ -111,7 +113,7 @@ def generation_settings(s: Settings) -> dict[str, Any]:
         "speculative.p_min": s.p_min,
         "speculative.mtp_mode": s.mtp_mode if s.spec_type != "none" else "none",
         "timings_per_token": False,
-        "post_sampling_probs": False,
+        "post_sampling_probs": s.post_sampling_probs,
         "backend_sampling": False,
         "lora": [],
     }
@@ -166,6 +168,8 @@ class ResultInfo:
     prompt_text: str = ""
     id: str = ""
     created: int = 0
+    #: token id -> its bytes (for token probabilities)
+    piece: Callable[[int], bytes] | None = None
 
 
 def n_decoded(c: Completion) -> int:
@@ -182,11 +186,35 @@ def oai_finish_reason(c: Completion) -> str:
     return "stop" if c.stop_type in ("eos", "word") else "length"
 
 
+# -- token probabilities ------------------------------------------------------------
+
+#: what llama-server writes for log(0) (JSON has no -inf)
+LOG_ZERO = -3.4028234663852886e38
+
+
+def _token_json(piece: bytes, tok: int, p: float, post: bool) -> dict[str, Any]:
+    return {"id": tok, "token": piece.decode("utf-8", "ignore"), "bytes": list(piece),
+            ("prob" if post else "logprob"): p if post else (math.log(p) if p > 0 else LOG_ZERO)}
+
+
+def probs_json(probs: list[TokenProbs], info: ResultInfo) -> list[dict[str, Any]]:
+    """completion_token_output::probs_vector_to_json(): each token with its
+    probability and the top tokens' ("logprob"/"top_logprobs", or after the sampling
+    chain "prob"/"top_probs")."""
+    piece = info.piece or (lambda t: b"")
+    out = []
+    for tp in probs:
+        d = _token_json(piece(tp.token), tp.token, tp.p, tp.post)
+        d["top_probs" if tp.post else "top_logprobs"] = [_token_json(piece(t), t, p, tp.post) for t, p in tp.top]
+        out.append(d)
+    return out
+
+
 def native_final(c: Completion, info: ResultInfo, *, index: int = 0, stream: bool = False,
                  return_tokens: bool = False) -> dict[str, Any]:
     """server_task_result_cmpl_final::to_json_non_oaicompat() (+ "mtp")."""
     nd = n_decoded(c)
-    return {
+    res = {
         "index": index,
         "content": "" if stream else c.text,
         "tokens": [] if stream or not return_tokens else list(c.tokens),
@@ -205,12 +233,16 @@ def native_final(c: Completion, info: ResultInfo, *, index: int = 0, stream: boo
         "timings": timings(c.stats, nd),
         "mtp": mtp_info(c.stats, info.mtp_mode, info.n_heads, info.n_draft),
     }
+    if c.probs and not stream:
+        res["completion_probabilities"] = probs_json(c.probs, info)
+    return res
 
 
 def native_partial(text: str, tokens: list[int], n_decoded_so_far: int, n_prompt: int,
-                   index: int = 0) -> dict[str, Any]:
+                   index: int = 0, probs: list[TokenProbs] | None = None,
+                   info: ResultInfo | None = None) -> dict[str, Any]:
     """server_task_result_cmpl_partial::to_json_non_oaicompat()."""
-    return {
+    res = {
         "index": index,
         "content": text,
         "tokens": tokens,
@@ -219,6 +251,9 @@ def native_partial(text: str, tokens: list[int], n_decoded_so_far: int, n_prompt
         "tokens_predicted": n_decoded_so_far,
         "tokens_evaluated": n_prompt,
     }
+    if probs and info is not None:
+        res["completion_probabilities"] = probs_json(probs, info)
+    return res
 
 
 def usage(results: list[Completion]) -> dict[str, Any]:
@@ -248,7 +283,8 @@ def oai_completion(results: list[Completion], info: ResultInfo) -> dict[str, Any
     """to_json_oaicompat(), several results merged into one choices list as llama-server does."""
     res: dict[str, Any] = {
         "choices": [
-            {"text": c.text, "index": i, "logprobs": None, "finish_reason": oai_finish_reason(c)}
+            {"text": c.text, "index": i, "logprobs": _oai_logprobs(c.probs, info),
+             "finish_reason": oai_finish_reason(c)}
             for i, c in enumerate(results)
         ],
     }
@@ -259,8 +295,14 @@ def oai_completion(results: list[Completion], info: ResultInfo) -> dict[str, Any
     return res
 
 
-def oai_completion_chunk(text: str, info: ResultInfo, *, index: int = 0) -> dict[str, Any]:
-    res: dict[str, Any] = {"choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": None}]}
+def _oai_logprobs(probs: list[TokenProbs], info: ResultInfo) -> dict[str, Any] | None:
+    return {"content": probs_json(probs, info)} if probs else None
+
+
+def oai_completion_chunk(text: str, info: ResultInfo, *, index: int = 0,
+                         probs: list[TokenProbs] | None = None) -> dict[str, Any]:
+    res: dict[str, Any] = {"choices": [{"text": text, "index": index, "logprobs": _oai_logprobs(probs or [], info),
+                                        "finish_reason": None}]}
     res.update(_envelope(info, "text_completion"))
     return res
 
@@ -281,7 +323,8 @@ def oai_chat(results: list[Completion], info: ResultInfo) -> dict[str, Any]:
     res: dict[str, Any] = {
         "choices": [
             {"finish_reason": oai_finish_reason(c), "index": i,
-             "message": {"role": "assistant", "content": c.text}}
+             "message": {"role": "assistant", "content": c.text},
+             **({"logprobs": _oai_logprobs(c.probs, info)} if c.probs else {})}
             for i, c in enumerate(results)
         ],
     }
@@ -292,8 +335,12 @@ def oai_chat(results: list[Completion], info: ResultInfo) -> dict[str, Any]:
     return res
 
 
-def oai_chat_chunk(delta: dict[str, Any], info: ResultInfo, finish_reason: str | None = None) -> dict[str, Any]:
-    res: dict[str, Any] = {"choices": [{"finish_reason": finish_reason, "index": 0, "delta": delta}]}
+def oai_chat_chunk(delta: dict[str, Any], info: ResultInfo, finish_reason: str | None = None,
+                   probs: list[TokenProbs] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"finish_reason": finish_reason, "index": 0, "delta": delta}
+    if probs:
+        choice["logprobs"] = _oai_logprobs(probs, info)
+    res: dict[str, Any] = {"choices": [choice]}
     res.update(_envelope(info, "chat.completion.chunk"))
     return res
 

@@ -131,8 +131,11 @@ class GenerationFields(_Request):
     cache_prompt: bool = True
     timings_per_token: bool = False
     id_slot: Int = -1
-    # llama-server's samplers this server does not have: refused when turned on
+    #: report each token's probability and the n most likely tokens' (completion_probabilities)
     n_probs: Int = Field(0, ge=0)
+    #: the probabilities after the sampling chain instead of the raw logits'
+    post_sampling_probs: bool = False
+    # llama-server's samplers this server does not have: refused when turned on
     mirostat: Int = 0
     typical_p: float = 1.0
     dynatemp_range: float = 0.0
@@ -185,6 +188,10 @@ class GenerationFields(_Request):
             out.append((int(key) if not isinstance(key, str) else key, b))
         return out
 
+    def requested_n_probs(self) -> int:
+        """How many top tokens to report per token (0: no probabilities)."""
+        return self.n_probs
+
     def requested_n_predict(self) -> int | None:
         for v in (self.n_predict, self.max_completion_tokens, self.max_tokens):
             if v is not None:
@@ -194,8 +201,6 @@ class GenerationFields(_Request):
     def unsupported(self) -> list[str]:
         """Features the request turns on that this server lacks."""
         out = []
-        if self.n_probs > 0:
-            out.append("n_probs (token probabilities)")
         if self.mirostat != 0:
             out.append("mirostat")
         if self.typical_p != 1.0:
@@ -234,12 +239,13 @@ class OAICompletionRequest(CompletionRequest):
     best_of: Optional[Any] = None
     suffix: Optional[Any] = None
 
+    def requested_n_probs(self) -> int:
+        return self.logprobs if self.logprobs else self.n_probs
+
     def unsupported(self) -> list[str]:
         out = super().unsupported()
         if self.echo:
             out.append("echo (only no echo is supported)")
-        if self.logprobs:
-            out.append("logprobs")
         if self.best_of is not None:
             out.append("best_of")
         if self.suffix is not None:
@@ -280,14 +286,20 @@ class ChatCompletionRequest(GenerationFields):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[Int] = None
+    top_logprobs: Optional[Int] = Field(None, ge=0)
+
+    def requested_n_probs(self) -> int:
+        """OpenAI's logprobs / top_logprobs, as llama-server maps them (20 by default)."""
+        if self.logprobs:
+            return self.top_logprobs if self.top_logprobs is not None else 20
+        if self.top_logprobs is not None:
+            raise ValueError("top_logprobs requires logprobs to be set to true")
+        return self.n_probs
 
     def unsupported(self) -> list[str]:
         out = super().unsupported()
         if self.tools:
             out.append("tools (tool calls)")
-        if self.logprobs:
-            out.append("logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             out.append(f"response_format {self.response_format.get('type')!r}")
         return out
