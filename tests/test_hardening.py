@@ -1,6 +1,7 @@
 """Per-token costs that do not grow with history, stop strings and UTF-8, use after close."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -130,3 +131,74 @@ def test_engine_after_close_raises(tiny):
         with pytest.raises(LlamaError, match="closed"):
             call()
     eng.close()  # twice is fine
+
+
+# -- request limits, through a server ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    from stepmtp.tiny import write_agree_model
+    from tests.test_server import ServerProcess
+
+    agree = write_agree_model(tmp_path_factory.mktemp("agree-limits"), seed=0)[0]
+    srv = ServerProcess(["-m", str(agree), "--spec-type", "draft-mtp", "-c", "8192", "-np", "1", "-t", "1",
+                         "--max-body-size", "4000", "--max-stop", "2", "--max-stop-length", "8", "--max-prompts", "2",
+                         "--max-logit-bias", "3", "--max-queue", "1"], tmp_path_factory.mktemp("limits"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_limits_answer_4xx(limited):
+    import httpx
+
+    url = limited.url + "/completion"
+    cases = [
+        ({"prompt": "x" * 5000}, 413),
+        ({"prompt": "x", "stop": ["a", "b", "c"]}, 400),
+        ({"prompt": "x", "stop": ["a" * 9]}, 400),
+        ({"prompt": ["a", "b", "c"]}, 400),
+        ({"prompt": "x", "logit_bias": [[1, 0.5], [2, 0.5], [3, 0.5], [4, 0.5]]}, 400),
+        ({"prompt": "x", "n_probs": 101}, 400),
+    ]
+    for body, code in cases:
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == code, (body, r.text)
+        err = r.json()["error"]
+        assert err["code"] == code and err["message"]
+    # a body that claims to be small but is not is cut at the limit too
+    r = httpx.post(url, content=b'{"prompt": "' + b"x" * 6000 + b'"}', headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 413
+    assert httpx.post(url, json={"prompt": "x", "n_predict": 2}, timeout=30).status_code == 200
+
+
+def test_full_queue_answers_503(limited):
+    """One slot, busy; room for one waiting request: of three more sent at once, two
+    get a 503 at once, the third waits, and is served once the slot frees up."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    import httpx
+
+    url = limited.url + "/completion"
+    long = {"prompt": "def f():\n", "n_predict": 6000, "temperature": 0, "stream": True, "ignore_eos": True}
+    with ThreadPoolExecutor(3) as ex:
+        with httpx.Client(timeout=60) as c, c.stream("POST", url, json=long) as running:
+            lines = running.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)  # it holds the only slot now
+            futs = {ex.submit(lambda i=i: httpx.post(url, json={"prompt": f"x{i}", "n_predict": 1}, timeout=60))
+                    for i in range(3)}
+            done: set = set()
+            while len(done) < 2:
+                new, _ = wait(futs - done, timeout=30, return_when=FIRST_COMPLETED)
+                assert new, "no answer within 30 s"
+                done |= new
+            assert [f.result().status_code for f in done] == [503, 503]
+            assert "busy" in next(iter(done)).result().json()["error"]["message"]
+        # the long stream is closed: its slot frees, the waiting request is served
+        (last,) = futs - done
+        assert last.result(timeout=60).status_code == 200
+    assert httpx.get(limited.url + "/health", timeout=10).status_code == 200

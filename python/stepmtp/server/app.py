@@ -278,7 +278,18 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     # type), validated by the pydantic models, errors as llama-server's 400 ---------
 
     async def body(request: Request, model: type[M]) -> M:
-        raw = await request.body()
+        limit = cfg.max_body_bytes
+        too_large = APIError(f"the request body exceeds {limit} bytes (--max-body-size)", "request_too_large_error")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        parts, n = [], 0
+        async for part in request.stream():
+            n += len(part)
+            if n > limit:
+                raise too_large
+            parts.append(part)
+        raw = b"".join(parts)
         try:
             return model.model_validate_json(raw or b"")
         except ValidationError as e:
@@ -462,11 +473,26 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         bad = req.unsupported()
         if bad:
             raise bad_request(f"not supported by this server: {', '.join(bad)}")
+        if len(prompts) > cfg.max_prompts:
+            raise bad_request(f"{len(prompts)} prompts in one request; at most {cfg.max_prompts} (--max-prompts)")
+        if len(req.stop) > cfg.max_stop:
+            raise bad_request(f"{len(req.stop)} stop strings; at most {cfg.max_stop} (--max-stop)")
+        if any(len(x) > cfg.max_stop_len for x in req.stop):
+            raise bad_request(f"a stop string is longer than {cfg.max_stop_len} characters (--max-stop-length)")
+        if len(req.logit_bias) > cfg.max_logit_bias:
+            raise bad_request(f"{len(req.logit_bias)} logit_bias entries; at most {cfg.max_logit_bias} "
+                              "(--max-logit-bias)")
         n_cmpl = req.n_cmpl if req.n_cmpl is not None else (req.n if req.n is not None else 1)
         if n_cmpl > cfg.total_slots:
             raise bad_request(f"n_cmpl (n) must be between 1 and {cfg.total_slots} (the server's -np)")
         if stream and len(prompts) * n_cmpl > 1:
             raise bad_request("streaming supports one prompt and n = 1")
+        try:
+            n_probs = req.requested_n_probs()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        if n_probs > cfg.max_n_probs:
+            raise bad_request(f"n_probs (top_logprobs) must be at most {cfg.max_n_probs}")
         n_predict = req.requested_n_predict()
         n_predict = -1 if n_predict is None else n_predict
         if cfg.n_predict >= 0:
@@ -480,13 +506,15 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 raise APIError(f"request ({len(toks)} tokens) exceeds the available context size "
                                f"({eng.n_ctx} tokens), try increasing it", "exceed_context_size_error",
                                n_prompt_tokens=len(toks), n_ctx=eng.n_ctx)
-        gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream, req.cache_prompt)
+        gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream, req.cache_prompt,
+                           n_probs, req.post_sampling_probs)
                 for toks in prompts for _ in range(n_cmpl)]
         settings = F.Settings(
             sampling=sampling, seed=seed_shown, n_predict=n_predict, stop=list(req.stop), stream=stream,
             ignore_eos=req.ignore_eos, logit_bias=[(t, None if b == float("-inf") else b)
                                                    for t, b in sampling.logit_bias.items()],
             spec_type=cfg.spec_type, n_max=cfg.n_max, n_min=cfg.n_min, p_min=cfg.p_min, mtp_mode=cfg.mtp_mode,
+            n_probs=n_probs, post_sampling_probs=req.post_sampling_probs,
         )
         return gens, settings
 
@@ -529,12 +557,15 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     def result_info(eng: Engine, settings: F.Settings) -> F.ResultInfo:
         return F.ResultInfo(model=st.model_name, n_ctx=eng.n_ctx, settings=settings, mtp_mode=st.mtp_mode(),
                             n_heads=eng.n_heads, n_draft=st.n_draft, id=F.completion_id(),
-                            created=int(time.time()))
+                            created=int(time.time()), piece=eng.model.token_to_piece)
 
     def submit(gen: GenRequest) -> Job:
         w = st.worker
         if w is None:
             raise APIError("Loading model", "unavailable_error")
+        if 0 <= cfg.max_queue <= w.n_waiting:
+            raise APIError(f"the server is busy: {w.n_waiting} requests are waiting (--max-queue), retry later",
+                           "unavailable_error")
         job = Job(gen, Channel(asyncio.get_running_loop()))
         try:
             w.submit(job)
@@ -657,15 +688,17 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             items = await first_items(job, request)
         except ClientGone:
             return gone()
-        acc = {"n": 0, "tokens": []}
+        acc: dict[str, Any] = {"n": 0, "tokens": [], "probs": []}
 
         def on_chunk(ch: Any) -> list[str]:
             acc["n"] += len(ch.tokens)
             acc["tokens"].extend(ch.tokens)
+            acc["probs"].extend(ch.probs)
             if not ch.text:
                 return []
             toks, acc["tokens"] = acc["tokens"], []
-            return [F.sse(F.native_partial(ch.text, toks, acc["n"], n_prompt))]
+            probs, acc["probs"] = acc["probs"], []
+            return [F.sse(F.native_partial(ch.text, toks, acc["n"], n_prompt, probs=probs, info=info))]
 
         def on_done(c: Completion) -> list[str]:
             info.prompt_text = eng.model.detokenize(c.prompt_tokens, unparse_special=True)
@@ -698,8 +731,15 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         except ClientGone:
             return gone()
 
+        held: list[Any] = []
+
         def on_chunk(ch: Any) -> list[str]:
-            return [F.sse(F.oai_completion_chunk(ch.text, info))] if ch.text else []
+            held.extend(ch.probs)
+            if not ch.text:
+                return []
+            probs = held[:]
+            held.clear()
+            return [F.sse(F.oai_completion_chunk(ch.text, info, probs=probs))]
 
         def on_done(c: Completion) -> list[str]:
             return [F.sse(F.oai_completion_final_chunk(c, info))]
@@ -736,14 +776,18 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             return gone()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         started = {"role": False}
+        held: list[Any] = []
 
         def on_chunk(ch: Any) -> list[str]:
             out = []
             if not started["role"]:
                 started["role"] = True
                 out.append(F.sse(F.oai_chat_chunk({"role": "assistant", "content": None}, info)))
+            held.extend(ch.probs)
             if ch.text:
-                out.append(F.sse(F.oai_chat_chunk({"content": ch.text}, info)))
+                probs = held[:]
+                held.clear()
+                out.append(F.sse(F.oai_chat_chunk({"content": ch.text}, info, probs=probs)))
             return out
 
         def on_done(c: Completion) -> list[str]:

@@ -122,6 +122,17 @@ class _Append(argparse.Action):
         setattr(ns, self.dest, cur + list(values))
 
 
+#: ours: (flag, metavar, ServerConfig field, default, what it bounds)
+LIMIT_FLAGS = (
+    ("--max-body-size", "BYTES", "max_body_bytes", 32 << 20, "largest request body; larger: 413"),
+    ("--max-prompts", "N", "max_prompts", 64, "prompts in one request at most"),
+    ("--max-stop", "N", "max_stop", 32, "stop strings in one request at most"),
+    ("--max-stop-length", "N", "max_stop_len", 1024, "characters of one stop string at most"),
+    ("--max-logit-bias", "N", "max_logit_bias", 4096, "logit_bias entries in one request at most"),
+    ("--max-n-probs", "N", "max_n_probs", 100, "n_probs / top_logprobs at most"),
+    ("--max-queue", "N", "max_queue", 256, "requests waiting for a slot at most, -1 for no bound; past it: 503"),
+)
+
 #: flag -> environment variable (llama-server's names)
 ENV: dict[str, str] = {}
 
@@ -236,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="file of API keys, one a line, '#' comments (default: none)")
     add(g, "-v", "--verbose", dest="verbose", action="store_true", help="llama.cpp's log too")
 
+    g = ap.add_argument_group("request limits (ours: a request past one gets a 4xx, a full queue a 503)")
+    for flag, meta, dest, default, what in LIMIT_FLAGS:
+        add(g, flag, metavar=meta, dest=dest, type=_int, default=default, help=f"{what} (default: {default})")
+
     g = ap.add_argument_group("chat template")
     add(g, "--jinja", dest="use_jinja", action="store_const", const=True, default=True, env="LLAMA_ARG_JINJA",
         help="render the chat template with jinja (default: enabled)")
@@ -334,6 +349,10 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         except (OSError, UnicodeDecodeError) as e:
             raise ArgError(f"failed to read the chat template file '{a.chat_template_file}': {e}") from None
     check(a.template_timeout > 0, f"invalid value for --template-timeout: {a.template_timeout}")
+    for flag, _, dest, _, _ in LIMIT_FLAGS:
+        v = getattr(a, dest)
+        low = -1 if dest == "max_queue" else (0 if dest in ("max_logit_bias", "max_n_probs") else 1)
+        check(v >= low, f"invalid value for {flag}: {v}")
     check(a.template_max_chars > 0, f"invalid value for --template-max-chars: {a.template_max_chars}")
     keys = list(a.api_key)
     if a.api_key_file:
@@ -390,6 +409,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         chat_template_kwargs=a.chat_template_kwargs or {},
         template_timeout=a.template_timeout,
         template_max_chars=a.template_max_chars,
+        **{dest: getattr(a, dest) for _, _, dest, _, _ in LIMIT_FLAGS},
     )
 
 

@@ -81,6 +81,16 @@ class ServerConfig:
     chat_template: str | None = None
     #: --chat-template-kwargs: template variables for every request (a request's own win)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: most top tokens a request may ask probabilities for (n_probs, top_logprobs)
+    max_n_probs: int = 100
+    #: request limits (past them: 413 for the body, 400 for the rest, 503 for the queue)
+    max_body_bytes: int = 32 << 20
+    max_prompts: int = 64
+    max_stop: int = 32
+    max_stop_len: int = 1024
+    max_logit_bias: int = 4096
+    #: requests waiting for a slot at most (-1: no bound)
+    max_queue: int = 256
     #: bounds of one template rendering (seconds, characters of output)
     template_timeout: float = 5.0
     template_max_chars: int = 4 << 20

@@ -14,21 +14,26 @@ ERROR_TYPES: dict[str, int] = {
     "not_supported_error": 501,
     "unavailable_error": 503,
     "exceed_context_size_error": 400,
+    # ours: past a size limit (the body), and a full queue
+    "request_too_large_error": 413,
 }
 
 
 class APIError(Exception):
     """Raised by a route; answered as llama-server's error JSON."""
 
-    def __init__(self, message: str, type_: str = "invalid_request_error", **extra: Any) -> None:
+    def __init__(self, message: str, type_: str = "invalid_request_error", *, code: int | None = None,
+                 **extra: Any) -> None:
         super().__init__(message)
         self.message = message
         self.type = type_
-        self.code = ERROR_TYPES.get(type_, 500)
+        self.code = code or ERROR_TYPES.get(type_, 500)
         self.extra = extra
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, **self.extra)
+        b = error_body(self.message, self.type, **self.extra)
+        b["error"]["code"] = self.code
+        return b
 
 
 def error_body(message: str, type_: str = "invalid_request_error", **extra: Any) -> dict[str, Any]:

@@ -91,6 +91,9 @@ class GenRequest:
     stream: bool
     #: reuse the slot's cached prefix (llama-server's cache_prompt)
     cache_prompt: bool = True
+    #: token probabilities to report (n_probs), raw or after the sampling chain
+    n_probs: int = 0
+    post_probs: bool = False
 
 
 _ids = itertools.count()
@@ -127,6 +130,9 @@ class Worker:
         self._active: dict[int, tuple[Job, Request]] = {}
         #: tokens handed to each active job's channel so far
         self._seen: dict[int, int] = {}
+        #: jobs submitted that have no slot yet (queued here or in the engine)
+        self._waiting: set[int] = set()
+        self._wlock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="stepmtp-scheduler", daemon=True)
         self._thread.start()
@@ -137,7 +143,7 @@ class Worker:
 
     @property
     def n_waiting(self) -> int:
-        return self._jobs.qsize() + len(self._active) - self.n_running
+        return len(self._waiting)
 
     @property
     def n_running(self) -> int:
@@ -146,6 +152,8 @@ class Worker:
     def submit(self, job: Job) -> None:
         if self._stopping:
             raise RuntimeError("the server is shutting down")
+        with self._wlock:
+            self._waiting.add(job.id)
         self._jobs.put(job)
 
     def cancel_all(self, reason: str = "the server is shutting down") -> None:
@@ -157,6 +165,7 @@ class Worker:
             except queue.Empty:
                 break
             if job is not None:
+                self._not_waiting(job.id)
                 job.cancel()
                 job.channel.put("error", Cancelled(reason))
         for job, _ in list(self._active.values()):
@@ -201,8 +210,13 @@ class Worker:
                         req.fail(e)
             self._deliver()
 
+    def _not_waiting(self, jid: int) -> None:
+        with self._wlock:
+            self._waiting.discard(jid)
+
     def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
+            self._not_waiting(job.id)
             job.channel.put("error", Cancelled("cancelled while queued"))
             return
         if self.on_start is not None:
@@ -210,8 +224,10 @@ class Worker:
         req = job.request
         try:
             handle = self.engine.submit(req.prompt_tokens, n_predict=req.n_predict, stop=req.stop,
-                                        sampling=req.sampling, cache_prompt=req.cache_prompt)
+                                        sampling=req.sampling, cache_prompt=req.cache_prompt,
+                                        n_probs=req.n_probs, post_sampling_probs=req.post_probs)
         except BaseException as e:  # noqa: BLE001 - reported to the request
+            self._not_waiting(job.id)
             self._finish(job, None, e, 0)
             return
         self._active[job.id] = (job, handle)
@@ -219,6 +235,8 @@ class Worker:
 
     def _deliver(self) -> None:
         for jid, (job, req) in list(self._active.items()):
+            if req.state.seq_id >= 0 or req.done:
+                self._not_waiting(jid)
             while req.chunks:
                 chunk: Chunk = req.chunks.popleft()
                 self._seen[jid] += len(chunk.tokens)
