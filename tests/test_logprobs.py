@@ -68,15 +68,11 @@ def test_probs_streamed_per_token(agree):
 
 @pytest.fixture(scope="module")
 def server(agree, tmp_path_factory):
-    from tests.test_server import ServerProcess
+    from tests.test_server import running
 
-    srv = ServerProcess(["-m", str(agree), "--spec-type", "draft-mtp", "-c", "2048", "-np", "1", "-t", "1"],
-                        tmp_path_factory.mktemp("probs-server"))
-    try:
-        srv.wait_ready()
+    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "2048", "-np", "1", "-t", "1"]
+    with running(args, tmp_path_factory.mktemp("probs-server")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_server_native_probs_equal_plain(server, agree):

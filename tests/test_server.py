@@ -3,6 +3,7 @@ subprocess on the tiny agree model (drafts partly accepted), and compared with
 the engine called directly."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -99,6 +100,17 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(15)
         self._log.close()
+
+
+@contextlib.contextmanager
+def running(args: list[str], log_dir: Path):
+    """A ServerProcess with ``args``, ready, stopped on exit."""
+    srv = ServerProcess(args, log_dir)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

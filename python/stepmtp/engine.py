@@ -193,8 +193,8 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                  sampling: SamplingParams | None = None, verify: Verify | None = None,
-                 cache_prompt: bool = True, n_probs: int = 0,
-                 post_sampling_probs: bool = False, **sampling_kw: Any) -> Completion:
+                 cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
+                 grammar: Any = None, mask_drafts: bool = True, **sampling_kw: Any) -> Completion:
         """Generate a completion. ``sampling_kw`` are SamplingParams fields
         (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...); ``verify``
         overrides the engine's verification (exact, rejection, auto) for this request.
@@ -203,9 +203,14 @@ class Engine:
         ``n_probs``: report each token's probability and the n most likely tokens'
         (``Completion.probs``, ``Chunk.probs``), from the target's raw logits, or after
         the sampling chain with ``post_sampling_probs``; accepted drafts get the
-        probabilities plain decoding would report for them."""
+        probabilities plain decoding would report for them.
+        ``grammar``: constrained decoding, a ``grammar.Constraint`` or ``(kind, spec)``
+        with kind ``json_schema``, ``json_object``, ``gbnf``, ``lark`` or ``regex``;
+        every target row is masked, and the heads' rows too (``mask_drafts``), so
+        what the grammar forces is drafted and accepted."""
         gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
-                                           n_probs, post_sampling_probs))
+                                           n_probs, post_sampling_probs, grammar=grammar,
+                                           mask_drafts=mask_drafts))
         while True:
             try:
                 next(gen)
@@ -214,17 +219,19 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
-               cache_prompt: bool = True, n_probs: int = 0,
-                 post_sampling_probs: bool = False, **sampling_kw: Any) -> Iterator[Chunk]:
+               cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
+               grammar: Any = None, mask_drafts: bool = True, **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
         return value (``StopIteration.value``) is the Completion."""
         return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
-                                           n_probs, post_sampling_probs))
+                                            n_probs, post_sampling_probs, grammar=grammar,
+                                            mask_drafts=mask_drafts))
 
     def _request(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
                  sampling: SamplingParams | None, sampling_kw: dict[str, Any],
                  verify: Verify | None = None, cache_prompt: bool = True, n_probs: int = 0,
-                 post_sampling_probs: bool = False) -> Request:
+                 post_sampling_probs: bool = False, preserve_tokens: Sequence[int] = (),
+                 grammar: Any = None, mask_drafts: bool = True) -> Request:
         self._check_open()
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
@@ -249,20 +256,29 @@ class Engine:
         rejection = verify != "exact" and not params.greedy and self.driver.speculate
         if isinstance(n_probs, bool) or not isinstance(n_probs, int) or n_probs < 0:
             raise ValueError(f"n_probs must be a non-negative integer, not {n_probs!r}")
+        constraint = None
+        if grammar is not None:
+            from .grammar import Constraint
+
+            c = grammar if isinstance(grammar, Constraint) else Constraint.compile(self.model, *grammar)
+            constraint = c.start()
         return Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt,
-                       n_probs=n_probs, post_probs=post_sampling_probs)
+                       n_probs=n_probs, post_probs=post_sampling_probs, preserved=frozenset(preserve_tokens),
+                       constraint=constraint, mask_drafts=mask_drafts)
 
     def submit(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
-               cache_prompt: bool = True, n_probs: int = 0,
-                 post_sampling_probs: bool = False, **sampling_kw: Any) -> Request:
+               cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
+               preserve_tokens: Sequence[int] = (), grammar: Any = None, mask_drafts: bool = True,
+               **sampling_kw: Any) -> Request:
         """Queue a generation without driving it, for a program that schedules many
         from one thread (the server): ``step()`` makes progress on every queued and
         running one; the returned request's ``chunks`` fill up as tokens are accepted
         and ``done`` turns true with ``completion`` (or ``error``) set. ``cancel``
-        drops it. Same arguments as ``generate``."""
+        drops it. Same arguments as ``generate``; ``preserve_tokens``: special tokens
+        whose text the output keeps (a chat format's markers, for its parser)."""
         req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
-                                           n_probs, post_sampling_probs)
+                            n_probs, post_sampling_probs, preserve_tokens, grammar, mask_drafts)
         self.slots.submit(req)
         return req
 

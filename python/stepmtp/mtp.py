@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -59,6 +59,9 @@ from .adaptive import AdaptiveLength, RoundCosts
 from .llama import Batch, Context
 from .sampling import Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
+
+if TYPE_CHECKING:
+    from .grammar import ConstraintState
 
 __all__ = ["SpecConfig", "SeqState", "RoundTrace", "MTPDriver", "Mode", "Schedule", "Verify"]
 
@@ -197,6 +200,10 @@ class SeqState:
     n_probs: int = 0
     post_probs: bool = False
     token_probs: list[TokenProbs] = field(default_factory=list)
+    #: constrained decoding (a grammar, a JSON schema): every target row is masked
+    #: given the tokens before it; drafts too when mask_drafts (grammar-aware drafting)
+    constraint: "ConstraintState | None" = None
+    mask_drafts: bool = True
 
     @property
     def prefilling(self) -> bool:
@@ -214,6 +221,16 @@ class _Cache:
     kv_valid: list[int]
     anchors: _Anchors | None
     h_log: dict[int, np.ndarray] | None
+
+
+def _masked(s: SeqState, row: np.ndarray) -> np.ndarray:
+    """``row`` with what the sequence's constraint forbids next at -inf (a copy: the
+    row is a view into llama.cpp's output buffer)."""
+    if s.constraint is None:
+        return row
+    row = row.copy()
+    s.constraint.mask_into(row)
+    return row
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -453,10 +470,13 @@ class MTPDriver:
             s.pending_h = h[-1].copy()
         s.n_prefilled = a + len(chunk)
         if last:
-            row = self.target.logits(-1)
+            raw = self.target.logits(-1)
+            row = _masked(s, raw)
             s.id_last = s.sampler.sample(row, s.tokens)
             if s.n_probs:
-                s.token_probs.append(self._probs(s, row, s.id_last))
+                s.token_probs.append(self._probs(s, raw, row, s.id_last))
+            if s.constraint is not None:
+                s.constraint.advance(s.id_last)
             s.tokens.append(s.id_last)
             s.pos = n
             if self.fused and self.speculate:
@@ -526,25 +546,36 @@ class MTPDriver:
         n = len(drafts)
         if self.speculate:
             self._log_h(s, r, verify_h)
+        c = s.constraint
         if s.rejection:
             hist = s.tokens
             p_rows: dict[int, np.ndarray] = {}
 
             def p_row(i: int) -> np.ndarray:
-                p_rows[i] = s.sampler.dense(logits[i], hist, drafts[:i])
+                if c is not None:  # row i is masked given the drafts before it
+                    c.advance(drafts[i - 1]) if i else None
+                p_rows[i] = s.sampler.dense(_masked(s, logits[i]), hist, drafts[:i])
                 return p_rows[i]
 
             out = verify_rejection(s.sampler, p_row, drafts, s.q[:n])
+            if c is not None:
+                c.rollback(max(p_rows) if p_rows else 0)
+                c.advance_many(out)
             if s.n_probs:
                 # each token was drawn from the target's row for its position
-                s.token_probs += [self._probs(s, logits[i], tok, p_rows.get(i)) for i, tok in enumerate(out)]
+                s.token_probs += [self._probs(s, logits[i], None, tok, p_rows.get(i)) for i, tok in enumerate(out)]
             s.tokens.extend(out)
         else:
             out = []
             for i in range(n + 1):
-                tok = s.sampler.sample(logits[i], s.tokens)
+                # the sampled tokens are the drafts while they match: the constraint
+                # advances along the accepted prefix only, nothing to roll back
+                row = _masked(s, logits[i])
+                tok = s.sampler.sample(row, s.tokens)
                 if s.n_probs:
-                    s.token_probs.append(self._probs(s, logits[i], tok))
+                    s.token_probs.append(self._probs(s, logits[i], row, tok))
+                if c is not None:
+                    c.advance(tok)
                 out.append(tok)
                 s.tokens.append(tok)
                 if i == n or tok != drafts[i]:
@@ -568,13 +599,15 @@ class MTPDriver:
             s.trace.append(RoundTrace(r, list(drafts), s.probs[:n], a, out, cells, list(s.kv_valid)))
         return out
 
-    def _probs(self, s: SeqState, row: np.ndarray, tok: int, dense: np.ndarray | None = None) -> TokenProbs:
-        """The reported probabilities of ``tok``, sampled from the target's ``row``
-        (the same row plain decoding samples that position from)."""
+    def _probs(self, s: SeqState, raw: np.ndarray, row: np.ndarray | None, tok: int,
+               dense: np.ndarray | None = None) -> TokenProbs:
+        """The reported probabilities of ``tok``, sampled from the target's ``raw``
+        row (the row plain decoding samples that position from; ``row``: the same,
+        masked by a constraint)."""
         if not s.post_probs:
-            return raw_probs(row, tok, s.n_probs)
+            return raw_probs(raw, tok, s.n_probs)
         if dense is None:
-            dense = s.sampler.dense(row, s.tokens)
+            dense = s.sampler.dense(raw if row is None else row, s.tokens)
         return chain_probs(dense, tok, s.n_probs)
 
     def _drafting(self, seqs: list[SeqState], i: int) -> list[SeqState]:
@@ -583,6 +616,8 @@ class MTPDriver:
 
     def _end_drafts(self, seqs: list[SeqState]) -> None:
         for s in seqs:
+            if s.constraint is not None and s.mask_drafts and s.drafts:
+                s.constraint.rollback(len(s.drafts))  # verification advances it again
             if len(s.drafts) < self.spec.n_min:
                 s.drafts = []
 
@@ -734,6 +769,11 @@ class MTPDriver:
         tok, p, h = self._pick(s, i)
         if p < self.spec.p_min:
             return
+        c = s.constraint
+        if c is not None and s.mask_drafts:
+            if not c.allowed(tok):  # nothing allowed (the grammar is over): stop drafting
+                return
+            c.advance(tok)
         s.probs[i] = p
         s.drafts.append(tok)
         s.chain_h[i] = h
@@ -744,6 +784,10 @@ class MTPDriver:
         logits = self.draft.logits(s.row)
         h = self.draft.nextn_ith(s.row)
         s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
+        if s.constraint is not None and s.mask_drafts:
+            # grammar-aware drafting: the head only proposes what the grammar allows
+            # after the drafts before it (forced tokens get drafted, and accepted)
+            logits = _masked(s, logits)
         if s.rejection:
             # drawn from the head's distribution under the request's settings; q kept
             # for verification

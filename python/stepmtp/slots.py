@@ -29,6 +29,7 @@ from .sampling import Sampler, SamplingParams, TokenProbs
 from .stats import GenStats
 
 if TYPE_CHECKING:
+    from .grammar import ConstraintState
     from .llama import Model
 
 __all__ = ["Chunk", "Completion", "Request", "Slots", "StopType"]
@@ -138,15 +139,18 @@ class Request:
 
     def __init__(self, prompt_tokens: list[int], n_predict: int, stop: Sequence[str],
                  params: SamplingParams, rejection: bool, cache_prompt: bool = True,
-                 n_probs: int = 0, post_probs: bool = False) -> None:
+                 n_probs: int = 0, post_probs: bool = False, preserved: frozenset[int] = frozenset(),
+                 constraint: "ConstraintState | None" = None, mask_drafts: bool = True) -> None:
         self.id = next(_task_ids)
         self.prompt_tokens = prompt_tokens
         #: reuse the prefix its slot's KV holds from the slot's last request
         self.cache_prompt = cache_prompt
+        #: special tokens whose text the output keeps (a chat format's markers)
+        self.preserved = preserved
         self.n_predict = n_predict
         self.params = params
         self.state = SeqState(seq_id=-1, sampler=Sampler(params), rejection=rejection, n_probs=n_probs,
-                              post_probs=post_probs)
+                              post_probs=post_probs, constraint=constraint, mask_drafts=mask_drafts)
         self.probs: list[TokenProbs] = []
         self._unsent_probs: list[TokenProbs] = []
         self.asm = TextAssembler(stop)
@@ -182,7 +186,7 @@ class Request:
             tp = [probs[i]] if probs else []
             self.probs += tp
             self.out_tokens.append(tok)
-            if self.asm.push(model.token_to_piece(tok)):
+            if self.asm.push(model.token_to_piece(tok, special=tok in self.preserved)):
                 self.stop_type, self.finish, unsent = "word", "stop", [tok]
                 self._unsent_probs = tp
                 break
