@@ -27,13 +27,15 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..chat import render_builtin, render_chat as render_chat_text
+from ..chat import render_builtin, render_chat as render_chat_text, template_source
 from ..chat.sandbox import TemplateSandbox
 from ..engine import Completion, Engine
 from ..sampling import SamplingParams
 from . import formats as F
 from .config import DEFAULT_SEED, ServerConfig
 from .errors import APIError, bad_request, error_body
+from .chat import (REASONING_FORMATS, ChatFormat, delta_json, is_step_template, message_json as chat_message,
+                   normalize_messages, preserved_tokens, tool_call_grammar)
 from .metrics import Metrics
 from .schemas import (ApplyTemplateRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
                       DetokenizeRequest, GenerationFields, OAICompletionRequest, PromptPieces,
@@ -86,6 +88,8 @@ class ServerState:
         self.model_path: Path | None = None
         self.model_name = cfg.model_name() if cfg.model or cfg.aliases else "stepmtp-default"
         self.eog_tokens: list[int] = []
+        #: the chat format's marker tokens, kept as text in chat output
+        self.preserved: frozenset[int] = frozenset()
         self.n_draft = 0
         #: called (from the loading thread) when the model cannot be loaded: stops the server
         self.on_fatal: Callable[[], None] | None = None
@@ -109,6 +113,10 @@ class ServerState:
             self.engine = engine
             m = engine.model
             self.eog_tokens = [t for t in range(m.n_vocab) if m.is_eog(t)]
+            self.preserved = preserved_tokens(m)
+            from ..grammar import vocabulary
+
+            vocabulary(m)  # the grammar backend's view of the vocabulary: built once, at load
             self.n_draft = engine.driver.n_draft
             log.info("model: %s (%s, %s parameters, %.1f MiB), n_ctx_train %d, loaded in %.2f s",
                      self.model_name, m.description, _si(m.n_params), m.size / 2**20, m.n_ctx_train,
@@ -467,8 +475,8 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
     # -- generation -------------------------------------------------------------------
 
-    async def prepare(eng: Engine, req: GenerationFields, prompts: list[list[int]], *,
-                      stream: bool) -> tuple[list[GenRequest], F.Settings]:
+    async def prepare(eng: Engine, req: GenerationFields, prompts: list[list[int]], *, stream: bool,
+                      grammar: tuple[str, Any] | None = None) -> tuple[list[GenRequest], F.Settings]:
         """Resolve a request's settings and check its prompts; every client error is a 400 here."""
         bad = req.unsupported()
         if bad:
@@ -493,6 +501,18 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             raise bad_request(str(e)) from None
         if n_probs > cfg.max_n_probs:
             raise bad_request(f"n_probs (top_logprobs) must be at most {cfg.max_n_probs}")
+        try:
+            spec = grammar or req.requested_grammar()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        grammar = None
+        if spec is not None:
+            from ..grammar import Constraint
+
+            try:
+                grammar = await run_in_threadpool(Constraint.compile, eng.model, *spec)
+            except ValueError as e:
+                raise bad_request(f"invalid grammar: {e}") from None
         n_predict = req.requested_n_predict()
         n_predict = -1 if n_predict is None else n_predict
         if cfg.n_predict >= 0:
@@ -507,7 +527,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                                f"({eng.n_ctx} tokens), try increasing it", "exceed_context_size_error",
                                n_prompt_tokens=len(toks), n_ctx=eng.n_ctx)
         gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream, req.cache_prompt,
-                           n_probs, req.post_sampling_probs)
+                           n_probs, req.post_sampling_probs, grammar=grammar)
                 for toks in prompts for _ in range(n_cmpl)]
         settings = F.Settings(
             sampling=sampling, seed=seed_shown, n_predict=n_predict, stop=list(req.stop), stream=stream,
@@ -757,9 +777,13 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         _check_messages(req.messages)
         if req.unsupported():
             raise bad_request(f"not supported by this server: {', '.join(req.unsupported())}")
-        text = await render_chat(eng, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        fmt, text = await chat_prompt(eng, req)
         toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
-        gens, settings = await prepare(eng, req, [toks], stream=req.stream)
+        gens, settings = await prepare(eng, req, [toks], stream=req.stream,
+                                       grammar=("lark", fmt.grammar) if fmt.grammar else None)
+        for g in gens:
+            g.preserved = fmt.preserved
+        settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
         info = result_info(eng, settings)
         if not req.stream:
             jobs = [submit(g) for g in gens]
@@ -767,7 +791,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 results = await run_all(jobs, request)
             except ClientGone:
                 return gone()
-            return JSONResponse(F.oai_chat(results, info))
+            return JSONResponse(F.oai_chat(results, info, [chat_message(fmt.parser(), c.text) for c in results]))
 
         job = submit(gens[0])
         try:
@@ -777,28 +801,82 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         started = {"role": False}
         held: list[Any] = []
+        parser = fmt.parser()
+
+        def deltas(text: str, final: bool = False) -> list[dict[str, Any]]:
+            if parser is None:
+                return [{"content": text}] if text else []
+            d = parser.feed(text) if text else None
+            out = delta_json(d) if d is not None else []
+            return out + (delta_json(parser.finish()) if final else [])
+
+        def role() -> list[str]:
+            if started["role"]:
+                return []
+            started["role"] = True
+            return [F.sse(F.oai_chat_chunk({"role": "assistant", "content": None}, info))]
 
         def on_chunk(ch: Any) -> list[str]:
-            out = []
-            if not started["role"]:
-                started["role"] = True
-                out.append(F.sse(F.oai_chat_chunk({"role": "assistant", "content": None}, info)))
+            out = role()
             held.extend(ch.probs)
-            if ch.text:
-                probs = held[:]
+            for i, d in enumerate(deltas(ch.text)):
+                probs = held[:] if i == 0 else []
                 held.clear()
-                out.append(F.sse(F.oai_chat_chunk({"content": ch.text}, info, probs=probs)))
+                out.append(F.sse(F.oai_chat_chunk(d, info, probs=probs)))
             return out
 
         def on_done(c: Completion) -> list[str]:
-            out = []
-            if not started["role"]:
-                started["role"] = True
-                out.append(F.sse(F.oai_chat_chunk({"role": "assistant", "content": None}, info)))
-            out.extend(F.sse(x) for x in F.oai_chat_final_chunks(c, info, include_usage))
+            out = role()
+            out.extend(F.sse(F.oai_chat_chunk(d, info)) for d in deltas("", final=True))
+            called = parser is not None and bool(parser.message().get("tool_calls"))
+            reason = F.chat_finish_reason(c, {"tool_calls": called})
+            out.extend(F.sse(x) for x in F.oai_chat_final_chunks(c, info, include_usage, reason))
             return out
 
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True), job.cancel)
+
+    async def chat_prompt(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str]:
+        """The prompt for a chat request, and how to read its output back."""
+        choice = req.tool_choice if req.tool_choice is not None else "auto"
+        if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+            raise bad_request(f"tool_choice must be auto, none, required or a function, not {choice!r}")
+        if req.tools is not None and not isinstance(req.tools, list):
+            raise bad_request("'tools' must be a list")
+        for i, t in enumerate(req.tools or []):
+            if not (isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")):
+                raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        tools = req.tools if req.tools and choice != "none" else None
+        forced: str | None = None  # the grammar of the call(s) tool_choice demands
+        if choice not in ("auto", "none"):
+            if not tools:
+                raise bad_request("tool_choice 'required' or a function needs 'tools'")
+            if isinstance(choice, dict):
+                fn = choice.get("function") if isinstance(choice.get("function"), dict) else {}
+                if not fn.get("name"):
+                    raise bad_request("tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+                forced = tool_call_grammar(tools, fn["name"], parallel=False)
+            else:
+                # llama-server: parallel_tool_calls is off unless asked for
+                forced = tool_call_grammar(tools, parallel=req.parallel_tool_calls is True)
+        variables: dict[str, Any] = {}
+        if tools:
+            variables["tools"] = tools
+        if req.reasoning_effort is not None:
+            variables["reasoning_effort"] = req.reasoning_effort
+        variables.update(req.chat_template_kwargs or {})
+        text = await render_chat(eng, req.messages, req.add_generation_prompt, variables)
+        rf = req.reasoning_format or cfg.reasoning_format
+        if rf not in REASONING_FORMATS:
+            raise bad_request(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, not {rf!r}")
+        thinking = req.add_generation_prompt and text.rstrip().endswith("<think>")
+        if thinking and (cfg.reasoning_budget == 0 or forced is not None):
+            # no thinking: the think block the template opened is closed right away
+            text += "\n</think>\n" if not text.endswith("\n") else "</think>\n"
+            thinking = False
+        source = template_source(eng.model, cfg.chat_template_source())
+        fmt = ChatFormat(step=is_step_template(source), thinking=thinking, reasoning_format=rf, tools=tools,
+                         parse_tools=bool(tools), preserved=st.preserved, grammar=forced)
+        return fmt, text
 
     # -- chat template ----------------------------------------------------------------
 
@@ -806,7 +884,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                           kwargs: dict[str, Any] | None) -> str:
         _check_messages(messages)
         try:
-            msgs = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
+            msgs = normalize_messages([{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages])
         except ValueError as e:
             raise bad_request(str(e)) from None
         variables = {**st.cfg.chat_template_kwargs, **(kwargs or {})}

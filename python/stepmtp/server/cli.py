@@ -265,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
         env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS",
         help="extra template variables, a JSON object, e.g. '{\"enable_thinking\": false}' (a request's "
              "chat_template_kwargs win)")
+    add(g, "--reasoning-format", metavar="FORMAT", dest="reasoning_format", choices=["none", "deepseek", "auto"],
+        default="auto", env="LLAMA_ARG_THINK",
+        help="none: thoughts stay in message.content; deepseek / auto: they go to message.reasoning_content "
+             "(default: auto)")
+    add(g, "--reasoning-budget", metavar="N", dest="reasoning_budget", type=_int, default=-1,
+        env="LLAMA_ARG_THINK_BUDGET", help="-1: unrestricted thinking; 0: no thinking (default: -1)")
     add(g, "--template-timeout", metavar="S", dest="template_timeout", type=_float, default=5.0,
         help="ours: a chat template rendering longer than this is stopped, a 400 (default: 5)")
     add(g, "--template-max-chars", metavar="N", dest="template_max_chars", type=_int, default=4 << 20,
@@ -348,6 +354,8 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
             chat_template = Path(a.chat_template_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ArgError(f"failed to read the chat template file '{a.chat_template_file}': {e}") from None
+    check(a.reasoning_budget in (-1, 0), f"--reasoning-budget: only -1 (unrestricted) and 0 (no thinking) are "
+                                         f"supported, got {a.reasoning_budget}")
     check(a.template_timeout > 0, f"invalid value for --template-timeout: {a.template_timeout}")
     for flag, _, dest, _, _ in LIMIT_FLAGS:
         v = getattr(a, dest)
@@ -405,6 +413,8 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         aliases=list(a.alias),
         verbose=a.verbose,
         use_jinja=a.use_jinja,
+        reasoning_format=a.reasoning_format,
+        reasoning_budget=a.reasoning_budget,
         chat_template=chat_template or None,
         chat_template_kwargs=a.chat_template_kwargs or {},
         template_timeout=a.template_timeout,

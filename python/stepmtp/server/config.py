@@ -91,6 +91,10 @@ class ServerConfig:
     max_logit_bias: int = 4096
     #: requests waiting for a slot at most (-1: no bound)
     max_queue: int = 256
+    #: --reasoning-format: none (all in content), deepseek / auto (thoughts in reasoning_content)
+    reasoning_format: str = "auto"
+    #: --reasoning-budget: -1 no limit, 0 no thinking (the opened <think> is closed in the prompt)
+    reasoning_budget: int = -1
     #: bounds of one template rendering (seconds, characters of output)
     template_timeout: float = 5.0
     template_max_chars: int = 4 << 20

@@ -58,6 +58,8 @@ class Settings:
     mtp_mode: str = "chain"
     n_probs: int = 0
     post_sampling_probs: bool = False
+    chat_format: str = "Content-only"
+    reasoning_format: str = "none"
 
 
 def generation_settings(s: Settings) -> dict[str, Any]:
@@ -102,8 +104,8 @@ def generation_settings(s: Settings) -> dict[str, Any]:
         "grammar_lazy": False,
         "grammar_triggers": [],
         "preserved_tokens": [],
-        "chat_format": "Content-only",
-        "reasoning_format": "none",
+        "chat_format": s.chat_format,
+        "reasoning_format": s.reasoning_format,
         "reasoning_in_content": False,
         "generation_prompt": "",
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
@@ -318,14 +320,21 @@ def oai_completion_final_chunk(c: Completion, info: ResultInfo) -> dict[str, Any
     return res
 
 
-def oai_chat(results: list[Completion], info: ResultInfo) -> dict[str, Any]:
-    """to_json_oaicompat_chat()."""
+def chat_finish_reason(c: Completion, message: dict[str, Any]) -> str:
+    """"tool_calls" when the model ended after calling tools, else as oai_finish_reason."""
+    reason = oai_finish_reason(c)
+    return "tool_calls" if reason == "stop" and message.get("tool_calls") else reason
+
+
+def oai_chat(results: list[Completion], info: ResultInfo,
+             messages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """to_json_oaicompat_chat(); ``messages``: each result's parsed assistant message."""
+    msgs = messages or [{"role": "assistant", "content": c.text} for c in results]
     res: dict[str, Any] = {
         "choices": [
-            {"finish_reason": oai_finish_reason(c), "index": i,
-             "message": {"role": "assistant", "content": c.text},
+            {"finish_reason": chat_finish_reason(c, m), "index": i, "message": m,
              **({"logprobs": _oai_logprobs(c.probs, info)} if c.probs else {})}
-            for i, c in enumerate(results)
+            for i, (c, m) in enumerate(zip(results, msgs))
         ],
     }
     res.update(_envelope(info, "chat.completion"))
@@ -345,10 +354,11 @@ def oai_chat_chunk(delta: dict[str, Any], info: ResultInfo, finish_reason: str |
     return res
 
 
-def oai_chat_final_chunks(c: Completion, info: ResultInfo, include_usage: bool) -> list[dict[str, Any]]:
+def oai_chat_final_chunks(c: Completion, info: ResultInfo, include_usage: bool,
+                          finish_reason: str | None = None) -> list[dict[str, Any]]:
     """to_json_oaicompat_chat_stream(): the finish chunk, the usage chunk when asked
     for (empty choices), timings on the last."""
-    out = [oai_chat_chunk({}, info, oai_finish_reason(c))]
+    out = [oai_chat_chunk({}, info, finish_reason or oai_finish_reason(c))]
     if include_usage:
         u: dict[str, Any] = {"choices": []}
         u.update(_envelope(info, "chat.completion.chunk"))

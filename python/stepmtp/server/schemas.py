@@ -211,11 +211,15 @@ class GenerationFields(_Request):
             out.append("dry_multiplier (DRY)")
         if self.xtc_probability != 0.0:
             out.append("xtc_probability (XTC)")
-        if self.grammar:
-            out.append("grammar")
-        if self.json_schema is not None:
-            out.append("json_schema")
         return out
+
+    def requested_grammar(self) -> tuple[str, Any] | None:
+        """llama-server's json_schema / grammar (GBNF): (kind, spec) for grammar.Constraint."""
+        if self.json_schema is not None:
+            return ("json_schema", self.json_schema)
+        if self.grammar:
+            return ("gbnf", self.grammar)
+        return None
 
 
 class CompletionRequest(GenerationFields):
@@ -285,6 +289,9 @@ class ChatCompletionRequest(GenerationFields):
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_format: Optional[str] = None
+    reasoning_effort: Optional[str] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Int] = Field(None, ge=0)
 
@@ -298,11 +305,26 @@ class ChatCompletionRequest(GenerationFields):
 
     def unsupported(self) -> list[str]:
         out = super().unsupported()
-        if self.tools:
-            out.append("tools (tool calls)")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out.append(f"response_format {self.response_format.get('type')!r}")
         return out
+
+    def requested_grammar(self) -> tuple[str, Any] | None:
+        """OpenAI's response_format (json_object, json_schema), else llama-server's fields."""
+        rf = self.response_format
+        if rf is None or rf.get("type", "text") == "text":
+            return super().requested_grammar()
+        kind = rf.get("type")
+        if kind == "json_object":
+            schema = rf.get("schema")
+            return ("json_schema", schema) if isinstance(schema, dict) else ("json_object", None)
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if schema is None:
+                schema = rf.get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs a 'json_schema': {'schema': {...}}")
+            return ("json_schema", schema)
+        raise ValueError(f"response_format type must be text, json_object or json_schema, not {kind!r}")
 
 
 class TokenizeRequest(_Request):

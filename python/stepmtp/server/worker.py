@@ -94,6 +94,10 @@ class GenRequest:
     #: token probabilities to report (n_probs), raw or after the sampling chain
     n_probs: int = 0
     post_probs: bool = False
+    #: special tokens kept as text (a chat format's markers)
+    preserved: frozenset[int] = frozenset()
+    #: constrained decoding (a compiled grammar.Constraint)
+    grammar: Any = None
 
 
 _ids = itertools.count()
@@ -225,7 +229,8 @@ class Worker:
         try:
             handle = self.engine.submit(req.prompt_tokens, n_predict=req.n_predict, stop=req.stop,
                                         sampling=req.sampling, cache_prompt=req.cache_prompt,
-                                        n_probs=req.n_probs, post_sampling_probs=req.post_probs)
+                                        n_probs=req.n_probs, post_sampling_probs=req.post_probs,
+                                        preserve_tokens=req.preserved, grammar=req.grammar)
         except BaseException as e:  # noqa: BLE001 - reported to the request
             self._not_waiting(job.id)
             self._finish(job, None, e, 0)

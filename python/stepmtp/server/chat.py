@@ -1,0 +1,196 @@
+"""OpenAI chat on top of the chat template: messages in (tool calls and results
+included), the model's text out as ``reasoning_content``, ``content`` and
+``tool_calls`` (``chat.step_format``), whole or as streamed deltas.
+
+The text the parser reads is rendered with the template's marker tokens as text
+(``preserved_tokens``): in a tokenizer where ``</think>`` or ``<tool_call>`` is a
+special token, the plain rendering would drop it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..chat.step_format import REASONING_FORMATS, Delta, StepParser, ToolCallDelta
+from .errors import bad_request
+
+__all__ = ["ChatFormat", "normalize_messages", "preserved_tokens", "delta_json", "REASONING_FORMATS"]
+
+MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=",
+           "</parameter>")
+
+
+def is_step_template(source: str) -> bool:
+    """A template that writes calls in Step's XML-like format."""
+    return "<tool_call>" in source and "<function=" in source
+
+
+def preserved_tokens(model: Any) -> frozenset[int]:
+    """Tokens that are one of the markers on their own: rendered as text for the parser."""
+    out = set()
+    for m in MARKERS:
+        toks = model.tokenize(m, add_special=False, parse_special=True)
+        if len(toks) == 1:
+            out.add(toks[0])
+    return frozenset(out)
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the template expects them: a call's ``arguments``, which clients
+    send as a JSON string, become the object the template iterates (``|items``)."""
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise bad_request(f"messages[{i}].tool_calls must be a list")
+            fixed = []
+            for j, c in enumerate(calls):
+                if not isinstance(c, dict):
+                    raise bad_request(f"messages[{i}].tool_calls[{j}] must be an object")
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        parsed = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
+                    fn["arguments"] = parsed
+                c["function"] = fn
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+@dataclass
+class ChatFormat:
+    """How one chat request's output is read back."""
+
+    #: the template writes Step's tool-call format
+    step: bool
+    #: the rendered prompt ends inside an opened <think>
+    thinking: bool
+    reasoning_format: str
+    tools: list[dict[str, Any]] | None = None
+    parse_tools: bool = False
+    preserved: frozenset[int] = field(default_factory=frozenset)
+    #: tool_choice required / a function: the Lark grammar forcing the call(s)
+    grammar: str | None = None
+
+    @property
+    def name(self) -> str:
+        """llama-server's chat_format name, as generation_settings shows it."""
+        return "Step-3.5" if self.step else ("Content-only" if not self.thinking else "Generic (reasoning)")
+
+    def parser(self) -> StepParser | None:
+        if not (self.step or self.thinking or self.grammar):
+            return None
+        return StepParser(reasoning_format=self.reasoning_format, thinking=self.thinking, tools=self.tools,
+                          parse_tools=self.parse_tools)
+
+
+def message_json(parser: StepParser | None, text: str) -> dict[str, Any]:
+    """The assistant message of a whole (non-streamed) result."""
+    if parser is None:
+        return {"role": "assistant", "content": text}
+    parser.feed(text)
+    parser.finish()
+    m = parser.message()
+    msg: dict[str, Any] = {"role": "assistant", "content": m["content"]}
+    if m.get("reasoning_content") is not None:
+        msg["reasoning_content"] = m["reasoning_content"]
+    if m.get("tool_calls"):
+        msg["tool_calls"] = m["tool_calls"]
+    return msg
+
+
+def delta_json(d: Delta) -> list[dict[str, Any]]:
+    """OpenAI chat deltas for one parser Delta: reasoning, content, then calls."""
+    out: list[dict[str, Any]] = []
+    if d.reasoning:
+        out.append({"reasoning_content": d.reasoning})
+    if d.content:
+        out.append({"content": d.content})
+    if d.tool_calls:
+        out.append({"tool_calls": [_call_delta(c) for c in d.tool_calls]})
+    return out
+
+
+def _call_delta(c: ToolCallDelta) -> dict[str, Any]:
+    d: dict[str, Any] = {"index": c.index}
+    if c.id is not None:
+        d["id"] = c.id
+        d["type"] = "function"
+    fn: dict[str, Any] = {}
+    if c.name is not None:
+        fn["name"] = c.name
+    fn["arguments"] = c.arguments
+    d["function"] = fn
+    return d
+
+
+# -- tool_choice "required" or a named function: the call, forced by a grammar ---------
+
+_LARK_VALUES = {
+    "integer": '/-?(0|[1-9][0-9]{0,15})/',
+    "number": '/-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,8})?([eE][-+]?[0-9]{1,3})?/',
+    "boolean": '"true" | "false"',
+    "null": '"null"',
+    # a value may span lines and hold "<", but not "</" (the markup that ends it)
+    "string": '/([^<]|<[^\\/])*/',
+}
+
+
+def _lark_str(s: str) -> str:
+    return json.dumps(s)
+
+
+def _value_rule(schema: Any) -> str:
+    """A Lark expression for one parameter value as Step writes it: scalars as text,
+    objects and arrays as JSON (checked against their schema)."""
+    if not isinstance(schema, dict):
+        return _LARK_VALUES["string"]
+    if "enum" in schema and all(isinstance(v, (str, int, float, bool)) for v in schema["enum"]):
+        return " | ".join(_lark_str(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"])
+    t = schema.get("type")
+    if isinstance(t, list):
+        t = next((x for x in t if x != "null"), "string")
+    if t in ("object", "array"):
+        return "%json " + json.dumps(schema)
+    return _LARK_VALUES.get(t or "string", _LARK_VALUES["string"])
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's dialect) of one or more Step-format calls of the
+    given tools (or of the function ``name``), required parameters first, each value
+    of its schema's type."""
+    fns = [t["function"] for t in tools if isinstance(t.get("function"), dict)]
+    if name is not None:
+        fns = [f for f in fns if f.get("name") == name]
+        if not fns:
+            raise bad_request(f"tool_choice names the function {name!r}, which is not in 'tools'")
+    rules = []
+    alts = []
+    for i, f in enumerate(fns):
+        params = (f.get("parameters") or {}).get("properties") or {}
+        required = [k for k in (f.get("parameters") or {}).get("required") or [] if k in params]
+        optional = [k for k in params if k not in required]
+        parts = []
+        for j, key in enumerate(required + optional):
+            rule = f"p{i}_{j}"
+            rules.append(f'{rule}: {_lark_str("<parameter=" + key + ">" + chr(10))} ({_value_rule(params[key])}) '
+                         f'{_lark_str(chr(10) + "</parameter>" + chr(10))}')
+            parts.append(rule if key in required else f"{rule}?")
+        head = _lark_str(f"<tool_call>\n<function={f['name']}>\n")
+        tail = _lark_str("</function>\n</tool_call>")
+        rules.append(f"call{i}: {head} {' '.join(parts)} {tail}")
+        alts.append(f"call{i}")
+    if not alts:
+        raise bad_request("tool_choice needs at least one function in 'tools'")
+    call = " | ".join(alts)
+    start = f"start: call (\"\\n\" call)*" if parallel else "start: call"
+    return "\n".join([start, f"call: {call}", *rules])

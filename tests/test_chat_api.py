@@ -1,0 +1,125 @@
+"""OpenAI chat as agents use it, with MTP drafting on: Step's template, reasoning in
+reasoning_content, tool calls (forced by tool_choice, parsed into tool_calls,
+streamed as deltas), a two-turn tool loop; the same answers with speculation as
+without."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.test_server import running
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_TEMPLATE = ROOT / "vendor" / "llama.cpp" / "models" / "templates" / "stepfun-ai-Step-3.5-Flash.jinja"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast",
+    "parameters": {"type": "object", "properties": {
+        "days": {"type": "integer"}, "units": {"type": "string", "enum": ["c", "f"]},
+        "hourly": {"type": "boolean"}}, "required": ["days", "units"]}}}]
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    if not STEP_TEMPLATE.is_file():
+        pytest.skip("the vendored llama.cpp tree is not here")
+    base = ["-c", "4096", "-np", "2", "-t", "1", "--chat-template-file", str(STEP_TEMPLATE)]
+    with running(base + ["--spec-type", "draft-mtp"], tmp_path_factory.mktemp("chat-mtp")) as mtp, \
+            running(base, tmp_path_factory.mktemp("chat-plain")) as plain:
+        yield {"mtp": mtp, "plain": plain}
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-x", timeout=120, max_retries=0)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_forces_a_valid_call(servers, choice):
+    outs = {}
+    for name, srv in servers.items():
+        out = client(srv).chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                  max_tokens=200, temperature=0)
+        outs[name] = out
+        ch = out.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls[:1]
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        assert isinstance(args["days"], int) and args["units"] in ("c", "f")
+        assert set(args) <= {"days", "units", "hourly"}
+    # with MTP drafting: the same call, and drafts were accepted along the way
+    a, b = (outs[k].choices[0].message for k in ("mtp", "plain"))
+    assert [c.function.model_dump() for c in a.tool_calls] == [c.function.model_dump() for c in b.tool_calls]
+    assert outs["mtp"].model_extra["timings"]["draft_n_accepted"] > 0
+
+
+def test_streamed_tool_call_equals_the_whole(servers):
+    c = client(servers["mtp"])
+    whole = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                      max_tokens=200, temperature=0).choices[0].message
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=200, temperature=0, stream=True):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        finish = ch.finish_reason or finish
+        for d in ch.delta.tool_calls or []:
+            cur = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            if d.id:
+                assert cur["id"] is None  # the id and name come once, first
+                cur["id"], cur["name"] = d.id, d.function.name
+            cur["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    got = [(v["name"], json.loads(v["arguments"])) for _, v in sorted(calls.items())]
+    assert got == [(t.function.name, json.loads(t.function.arguments)) for t in whole.tool_calls]
+
+
+def test_two_turn_tool_loop(servers):
+    """call, result, answer: the assistant's call goes back with its arguments as a
+    JSON string (as clients send it) and the tool's result as a "tool" message."""
+    c = client(servers["mtp"])
+    first = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                      max_tokens=200, temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": first.content or "",
+                      "tool_calls": [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": call.function.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21, "sky": "clear"}'}]
+    r = c.chat.completions.with_raw_response.create(model="m", messages=history, tools=TOOLS, max_tokens=16,
+                                                     temperature=0)
+    answer = r.parse()
+    assert answer.choices[0].message.tool_calls is None or answer.choices[0].message.tool_calls == []
+    # the template got the call back as an object and the result as a tool response
+    prompt = servers["mtp"].url
+    import httpx
+
+    text = httpx.post(prompt + "/apply-template", json={"messages": history}, timeout=30).json()["prompt"]
+    assert "<function=get_weather>" in text and "<tool_response>" in text
+    assert "<parameter=days>" in text  # arguments iterated as an object, not a string
+
+
+def test_reasoning_goes_to_reasoning_content(servers):
+    """The generation prompt opens <think>: what the model writes until </think> is
+    reasoning (the bundled model never closes it); --reasoning-format none would
+    leave it in content. Streamed deltas add up to the whole."""
+    c = client(servers["mtp"])
+    out = c.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0)
+    msg = out.choices[0].message
+    reasoning = msg.model_extra.get("reasoning_content")
+    assert reasoning and msg.content == ""
+    parts = {"reasoning": "", "content": ""}
+    for chunk in c.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0, stream=True):
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            parts["reasoning"] += (d.model_extra or {}).get("reasoning_content") or ""
+            parts["content"] += d.content or ""
+    assert parts == {"reasoning": reasoning, "content": ""}
+    raw = c.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0,
+                                    extra_body={"reasoning_format": "none"}).choices[0].message
+    assert raw.content.strip() == reasoning.strip()
