@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from stepmtp import Engine
+from tests.test_server import running
 from stepmtp.models import default_model_path
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -83,8 +84,6 @@ def test_bad_grammar_is_a_value_error(bundled):
 
 @pytest.fixture(scope="module")
 def server(bundled, tmp_path_factory):
-    from tests.test_server import running
-
     args = ["-m", str(bundled), "--spec-type", "draft-mtp", "-c", "2048", "-np", "2", "-t", "1"]
     with running(args, tmp_path_factory.mktemp("constrained-server")) as srv:
         yield srv

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from stepmtp import Engine
+from tests.test_server import running
 from stepmtp.tiny import write_agree_model
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
@@ -68,8 +69,6 @@ def test_probs_streamed_per_token(agree):
 
 @pytest.fixture(scope="module")
 def server(agree, tmp_path_factory):
-    from tests.test_server import running
-
     args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "2048", "-np", "1", "-t", "1"]
     with running(args, tmp_path_factory.mktemp("probs-server")) as srv:
         yield srv
