@@ -123,3 +123,55 @@ def test_reasoning_goes_to_reasoning_content(servers):
     raw = c.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0,
                                     extra_body={"reasoning_format": "none"}).choices[0].message
     assert raw.content.strip() == reasoning.strip()
+
+
+# -- Anthropic's Messages API, with the official client ----------------------------------
+
+A_TOOLS = [{"name": "get_weather", "description": "Weather forecast",
+            "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+#: this client version has no temperature argument: sent as an extra field
+GREEDY = {"temperature": 0}
+
+
+def anthropic_client(srv):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=srv.url, api_key="sk-x", timeout=120, max_retries=0)
+
+
+def test_anthropic_tool_loop(servers):
+    c = anthropic_client(servers["mtp"])
+    first = c.messages.create(model="m", max_tokens=200, messages=ASK, tools=A_TOOLS,
+                              tool_choice={"type": "any"}, extra_body=GREEDY)
+    assert first.stop_reason == "tool_use" and first.role == "assistant"
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input["days"], int) and use.id
+    assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    second = c.messages.create(model="m", max_tokens=16, extra_body=GREEDY, tools=A_TOOLS, messages=ASK + [
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C, clear"}]}])
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    # the second turn starts where the first prompt did: its KV was reused
+    assert second.usage.cache_read_input_tokens > 0
+    n = c.messages.count_tokens(model="m", messages=ASK, tools=A_TOOLS).input_tokens
+    # the forced call's prompt also closed the <think> block the template opened
+    assert 0 < n < first.usage.input_tokens + first.usage.cache_read_input_tokens
+
+
+def test_anthropic_streaming_events(servers):
+    c = anthropic_client(servers["mtp"])
+    whole = c.messages.create(model="m", max_tokens=40, messages=ASK, extra_body=GREEDY)
+    with c.messages.stream(model="m", max_tokens=40, messages=ASK, extra_body=GREEDY) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    assert final.content[0].type == "thinking"  # the reasoning, as a thinking block
+    # a forced call, streamed: the tool_use block's input arrives as JSON deltas
+    with c.messages.stream(model="m", max_tokens=200, messages=ASK, tools=A_TOOLS, extra_body=GREEDY,
+                           tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input["units"] in ("c", "f")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import threading
 import time
@@ -31,7 +32,10 @@ from ..chat import render_builtin, render_chat as render_chat_text, template_sou
 from ..chat.sandbox import TemplateSandbox
 from ..engine import Completion, Engine
 from ..sampling import SamplingParams
+from ..chat.step_format import Delta
+from . import anthropic as A
 from . import formats as F
+from .anthropic import to_openai as to_anthropic_openai
 from .config import DEFAULT_SEED, ServerConfig
 from .errors import APIError, bad_request, error_body
 from .chat import (REASONING_FORMATS, ChatFormat, delta_json, is_step_template, message_json as chat_message,
@@ -286,6 +290,13 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     # type), validated by the pydantic models, errors as llama-server's 400 ---------
 
     async def body(request: Request, model: type[M]) -> M:
+        raw = await read_body(request)
+        try:
+            return model.model_validate_json(raw or b"")
+        except ValidationError as e:
+            raise bad_request(format_validation_error(e)) from None
+
+    async def read_body(request: Request) -> bytes:
         limit = cfg.max_body_bytes
         too_large = APIError(f"the request body exceeds {limit} bytes (--max-body-size)", "request_too_large_error")
         declared = request.headers.get("content-length", "")
@@ -297,11 +308,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             if n > limit:
                 raise too_large
             parts.append(part)
-        raw = b"".join(parts)
-        try:
-            return model.model_validate_json(raw or b"")
-        except ValidationError as e:
-            raise bad_request(format_validation_error(e)) from None
+        return b"".join(parts)
 
     def json_body(model: type[BaseModel]) -> dict[str, Any]:
         return {"requestBody": {"required": True, "content": {
@@ -777,14 +784,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         _check_messages(req.messages)
         if req.unsupported():
             raise bad_request(f"not supported by this server: {', '.join(req.unsupported())}")
-        fmt, text = await chat_prompt(eng, req)
-        toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
-        gens, settings = await prepare(eng, req, [toks], stream=req.stream,
-                                       grammar=("lark", fmt.grammar) if fmt.grammar else None)
-        for g in gens:
-            g.preserved = fmt.preserved
-        settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
-        info = result_info(eng, settings)
+        fmt, gens, info = await chat_jobs(eng, req)
         if not req.stream:
             jobs = [submit(g) for g in gens]
             try:
@@ -834,6 +834,72 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             return out
 
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True), job.cancel)
+
+    async def chat_jobs(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, list[GenRequest], F.ResultInfo]:
+        """A chat request's generations, ready to submit, and how to read them back."""
+        fmt, text = await chat_prompt(eng, req)
+        toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+        gens, settings = await prepare(eng, req, [toks], stream=req.stream,
+                                       grammar=("lark", fmt.grammar) if fmt.grammar else None)
+        for g in gens:
+            g.preserved = fmt.preserved
+        settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
+        return fmt, gens, result_info(eng, settings)
+
+    # -- POST /v1/messages: Anthropic's Messages API ------------------------------------
+
+    async def anthropic_request(request: Request) -> ChatCompletionRequest:
+        raw = await read_body(request)
+        try:
+            payload = json.loads(raw or b"null")
+        except ValueError as e:
+            raise bad_request(f"invalid JSON: {e}") from None
+        try:
+            return ChatCompletionRequest.model_validate(to_anthropic_openai(payload), strict=False)
+        except ValidationError as e:
+            raise bad_request(format_validation_error(e)) from None
+
+    @app.post("/v1/messages", tags=["anthropic"], summary="Anthropic's Messages API (stream: Anthropic's events)")
+    async def anthropic_messages(request: Request) -> Any:
+        eng = st.need_engine()
+        req = await anthropic_request(request)
+        _check_messages(req.messages)
+        fmt, gens, info = await chat_jobs(eng, req)
+        msg_id = "msg_" + F.completion_id().split("-", 1)[-1]
+        if not req.stream:
+            try:
+                (c,) = await run_all([submit(gens[0])], request)
+            except ClientGone:
+                return gone()
+            return JSONResponse(A.message_json(c, chat_message(fmt.parser(), c.text), info.model, msg_id))
+        job = submit(gens[0])
+        try:
+            items = await first_items(job, request)
+        except ClientGone:
+            return gone()
+        parser = fmt.parser()
+        events = A.Events(info.model, msg_id, len(gens[0].prompt_tokens))
+
+        def on_chunk(ch: Any) -> list[str]:
+            if parser is None:
+                return events.feed(Delta(content=ch.text)) if ch.text else events.start()
+            return events.feed(parser.feed(ch.text)) if ch.text else events.start()
+
+        def on_done(c: Completion) -> list[str]:
+            out = events.feed(parser.finish()) if parser is not None else events.start()
+            msg = parser.message() if parser is not None else {"content": c.text}
+            return out + events.finish(c, msg)
+
+        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
+
+    @app.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
+    async def anthropic_count_tokens(request: Request) -> dict[str, int]:
+        eng = st.need_engine()
+        req = await anthropic_request(request)
+        _check_messages(req.messages)
+        _, text = await chat_prompt(eng, req)
+        toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+        return {"input_tokens": len(toks)}
 
     async def chat_prompt(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str]:
         """The prompt for a chat request, and how to read its output back."""
