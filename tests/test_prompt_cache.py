@@ -114,3 +114,25 @@ def test_unified_cache_evicts_idle_prefixes_when_full(agree):
         other = eng.tokenize("class C:\n" * 40)[:300]
         out = eng.generate(other, n_predict=8, temperature=0)  # 300 + 300 > 512 cells
         assert len(out.tokens) == 8
+
+
+def test_kv_full_fails_only_the_request_that_does_not_fit(agree):
+    """Two generations in one small shared cache: when a round finds no room, only the
+    sequence whose rows do not fit fails (llama-server's error), the other finishes."""
+    from stepmtp import LlamaError
+
+    with Engine(agree, mode="chain", n_max=3, n_ctx=256, n_parallel=2, kv_unified=True, n_ubatch=256,
+                n_batch=256) as eng:
+        no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
+        a = eng.submit(PROMPT, n_predict=400, temperature=0, logit_bias=no_eos)
+        b = eng.submit("def parse(text):\n", n_predict=400, temperature=0, logit_bias=no_eos)
+        while eng.busy:
+            eng.step()
+        failed = [r for r in (a, b) if r.error is not None]
+        done = [r for r in (a, b) if r.completion is not None]
+        assert len(failed) == 1 and len(done) == 1, [(r.error, r.completion and r.completion.finish_reason)
+                                                     for r in (a, b)]
+        assert isinstance(failed[0].error, LlamaError) and "Context size has been exceeded" in str(failed[0].error)
+        assert done[0].completion.finish_reason == "length"
+        # the engine goes on
+        assert len(eng.generate("x", n_predict=4, temperature=0).tokens) == 4

@@ -19,11 +19,15 @@ import numpy as np
 from .binding import ErrorCapture, LlamaError, ensure_backend, ffi, lib
 from .rpc import Servers, parse_servers
 
-__all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "default_threads"]
+__all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "KVFullError", "default_threads"]
 
 
 class ModelLoadError(LlamaError):
     """A model file could not be loaded; the message names the file and the reason."""
+
+
+class KVFullError(LlamaError):
+    """A decode found no room in the KV cache for its batch (nothing was decoded)."""
 
 
 def default_threads() -> int:
@@ -552,8 +556,10 @@ class Context(_Closing):
         if self.model.rpc is not None:
             # a result that came through a lost connection is void even when rc is 0
             self.model.rpc.check("llama_decode")
+        if rc == 1:
+            raise KVFullError(cap.message("llama_decode failed: no KV cache slot for the batch (context full)"))
         if rc != 0:
-            reason = {1: "no KV cache slot for the batch (context full)", 2: "aborted"}.get(rc, f"error {rc}")
+            reason = {2: "aborted"}.get(rc, f"error {rc}")
             raise LlamaError(cap.message(f"llama_decode failed: {reason}"))
 
     def logits(self, i: int = -1) -> np.ndarray:

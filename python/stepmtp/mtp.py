@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from .adaptive import AdaptiveLength, RoundCosts
-from .llama import Batch, Context
+from .llama import Batch, Context, KVFullError, LlamaError
 from .sampling import Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
 
@@ -180,6 +180,8 @@ class SeqState:
     n_prefilled: int = 0
     #: the heads are anchored on the positions before this one already (a cached prefix)
     anchor_from: int = 0
+    #: prompt rows per decode at most (halved when a shared KV cache has no room)
+    chunk_limit: int = 1 << 30
     #: debug mode: every trunk hidden row the target produced, by position
     h_log: dict[int, np.ndarray] | None = None
     #: debug mode: one RoundTrace per round
@@ -444,7 +446,7 @@ class MTPDriver:
         last chunk, sample the first token. True when done."""
         t0 = time.perf_counter()
         a, n = s.n_prefilled, len(s.prompt)
-        chunk = s.prompt[a : a + self.n_chunk]
+        chunk = s.prompt[a : a + min(self.n_chunk, s.chunk_limit)]
         last = a + len(chunk) == n
         self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
         self._decode(self.target, self.tbatch, [s])
@@ -485,6 +487,15 @@ class MTPDriver:
         s.stats.t_prompt_ms += (time.perf_counter() - t0) * 1e3
         return last
 
+    def shrink_chunk(self, s: SeqState) -> bool:
+        """Halve the prompt chunk after a decode found no room (llama-server's retry);
+        False when it is one token already."""
+        size = min(self.n_chunk, s.chunk_limit, len(s.prompt) - s.n_prefilled)
+        if size <= 1:
+            return False
+        s.chunk_limit = size // 2
+        return True
+
     def begin(self, s: SeqState, prompt: list[int]) -> int:
         """Decode the prompt, anchor the heads on it, and sample the first token."""
         self.start(s, prompt)
@@ -494,10 +505,11 @@ class MTPDriver:
 
     # -- one round ----------------------------------------------------------------
 
-    def round(self, seqs: list[SeqState]) -> list[list[int]]:
+    def round(self, seqs: list[SeqState]) -> list[list[int] | LlamaError]:
         """One draft / verify / (process) / accept round for every sequence in
         ``seqs``; returns, per sequence, the tokens it emits (the accepted drafts and
-        the target's own next token)."""
+        the target's own next token), or the KVFullError of a sequence that found no
+        room in a shared KV cache (the others go on)."""
         for s in seqs:
             if self.debug and self.speculate:
                 self._check_invariant(s)
@@ -518,7 +530,27 @@ class MTPDriver:
             else:
                 self._draft(seqs)
 
-        # verify: the target decodes each sequence's id_last and drafts, every row an output
+        try:
+            return self._verify(seqs)
+        except KVFullError:
+            if len(seqs) == 1:
+                raise
+        # a shared cache without room for every sequence's rows (llama.cpp decoded
+        # nothing of the failed batch): each verifies alone, the one holding the most
+        # cells first; one that still finds no room fails, and its cells go at once to
+        # the others (llama-server's "terminate the largest")
+        outs: dict[int, list[int] | LlamaError] = {}
+        for s in sorted(seqs, key=lambda s: -s.pos):
+            try:
+                outs[id(s)] = self._verify([s])[0]
+            except KVFullError as e:
+                self.target.seq_rm(s.seq_id)
+                outs[id(s)] = e
+        return [outs[id(s)] for s in seqs]
+
+    def _verify(self, seqs: list[SeqState]) -> list[list[int]]:
+        """Verify and accept: the target decodes each sequence's id_last and drafts,
+        every row an output."""
         tb = self.tbatch
         tb.clear()
         starts = [tb.append([s.id_last, *s.drafts], s.pos, s.seq_id, outputs="all") for s in seqs]

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Sequence
 
-from .llama import LlamaError
+from .llama import KVFullError, LlamaError
 from .mtp import MTPDriver, RoundTrace, SeqState, common_prefix
 from .sampling import Sampler, SamplingParams, TokenProbs
 from .stats import GenStats
@@ -68,6 +68,8 @@ class Completion:
     trace: list[RoundTrace] | None = None
     #: with n_probs: each generated token's probabilities (end of generation excluded)
     probs: list[TokenProbs] = field(default_factory=list)
+    #: the slot that generated it
+    slot: int = 0
 
 
 class TextAssembler:
@@ -218,6 +220,7 @@ class Request:
             stats=st,
             trace=self.state.trace,
             probs=self.probs,
+            slot=max(0, self.state.seq_id),
         )
 
     def fail(self, error: BaseException) -> None:
@@ -275,13 +278,16 @@ class Slots:
             try:
                 outs = drv.round(states)
             except LlamaError as e:
-                # a round is shared: what failed it (no KV room left, a backend error)
-                # fails its members; the slots are freed and the engine stays usable
+                # a round is shared: what failed it (a backend error) fails its members;
+                # the slots are freed and the engine stays usable
                 for r in running:
-                    r.fail(e)
+                    r.fail(_context_exceeded(e) if isinstance(e, KVFullError) else e)
             else:
                 for r, out in zip(running, outs):
-                    r.feed(out, self.model, drv.n_ctx_seq)
+                    if isinstance(out, LlamaError):  # this one found no room: it alone fails
+                        r.fail(_context_exceeded(out))
+                    else:
+                        r.feed(out, self.model, drv.n_ctx_seq)
         prefilling = [r for r in self.slots if r is not None and r.state.prefilling]
         if prefilling:
             r = prefilling[self._next_prefill % len(prefilling)]
@@ -289,6 +295,11 @@ class Slots:
             try:
                 if drv.prefill(r.state):
                     r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
+            except KVFullError as e:
+                # as llama-server: idle slots' cached prefixes go first, then smaller
+                # chunks; a prompt that still finds no room fails alone
+                if not self._evict_idle() and not drv.shrink_chunk(r.state):
+                    r.fail(_context_exceeded(e))
             except LlamaError as e:
                 r.fail(e)
         self._release_finished()
@@ -347,6 +358,14 @@ class Slots:
                 drv.release(i)
                 free += held[i]
 
+    def _evict_idle(self) -> bool:
+        """Forget the idle slots' cached prefixes (their cells, in a shared cache);
+        True when there were any."""
+        idle = [i for i in range(self.n) if self.slots[i] is None and self.driver.cached_tokens(i)]
+        for i in idle:
+            self.driver.release(i)
+        return bool(idle)
+
     def _release_finished(self) -> None:
         for i, r in enumerate(self.slots):
             if r is None:
@@ -367,6 +386,11 @@ class Slots:
                 self.waiting.remove(req)
                 req.fail(_cancelled())
         self._release_finished()
+
+
+def _context_exceeded(e: LlamaError) -> LlamaError:
+    """llama-server's error for a request the KV cache has no room left for."""
+    return LlamaError(f"Context size has been exceeded. ({e})")
 
 
 class Cancelled(Exception):
