@@ -80,6 +80,8 @@ def test_loads_with_its_heads(path):
     with Model(path) as m:
         assert m.n_mtp_blocks == 3 and m.n_mtp_blocks_loaded == 3 and m.has_mtp
         assert m.chat_template and "<|im_start|>" in m.chat_template
+        # Step-3.5-Flash's own template: reasoning and tool calls in the real format
+        assert "<think>" in m.chat_template and "<function=" in m.chat_template
 
 
 def test_split_pair(path, split):

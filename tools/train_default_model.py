@@ -53,6 +53,8 @@ from stepmtp.models import DEFAULT_MODEL_FILE
 from stepmtp.models import corpus as C
 from stepmtp.tiny import SPECIAL_TOKENS, TinyConfig, TinyVocab, _write_gguf, llama3_rope_factors
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # ---------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------
@@ -652,7 +654,17 @@ def export_gguf(model: StepModel, vocab: TinyVocab, path: Path, qtype: str, meta
     types = {n: (gguf.GGMLQuantizationType.F32 if _keep_f32(n, a) else q) for n, a in tensors.items()}
     _write_gguf(path, cfg, vocab, tensors.items(), with_nextn=True, seed=0, variant="default",
                 name="stepmtp stdlib step35 (3 MTP heads)", tokenizer_pre=C.TOKENIZER_PRE,
-                file_type=ftype, tensor_types=types, extra_kv=meta)
+                file_type=ftype, tensor_types=types, extra_kv=meta, chat_template=step_chat_template())
+
+
+def step_chat_template() -> str:
+    """Step-3.5-Flash's own chat template (<think>, tools, tool responses), from the
+    vendored llama.cpp tree (`python vendor/fetch.py` materialises it): what users
+    of the bundled model meet first is the real format."""
+    src = ROOT / "vendor" / "llama.cpp" / "models" / "templates" / "stepfun-ai-Step-3.5-Flash.jinja"
+    if not src.is_file():
+        raise SystemExit(f"{src} is missing: run `python vendor/fetch.py` first")
+    return src.read_text(encoding="utf-8")
 
 
 def check_tokenization(path: Path, docs, tok: C.BPETokenizer) -> int:

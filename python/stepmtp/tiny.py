@@ -448,6 +448,7 @@ def _write_gguf(
     file_type: gguf.LlamaFileType = gguf.LlamaFileType.ALL_F32,
     tensor_types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
     extra_kv: Mapping[str, str] | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Write one ``step35`` GGUF.
 
@@ -504,7 +505,7 @@ def _write_gguf(
     w.add_pad_token_id(cfg.pad_id)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(chat_template or CHAT_TEMPLATE)
     for key, value in (extra_kv or {}).items():
         w.add_string(key, value)
 
