@@ -40,6 +40,9 @@ class Engine:
             Default: split (with one slot both are the same cache, and a unified
             one makes llama.cpp check all 256 possible sequences on every decode:
             0.1 ms a decode, a sixth of one on the bundled model).
+        slot_prompt_similarity: a request goes to the free slot whose cached prompt
+            shares the most with its own when that is more than this share of it
+            (llama-server's ``-sps``), else to the least recently used free slot.
         seed: default seed of the samplers (a request's own seed wins).
         progress: show loading progress on stderr.
         debug: check the driver's invariant (pending_h == h_tgt(pos(id_last) - 1))
@@ -69,6 +72,7 @@ class Engine:
         rpc: str | Sequence[str] | None = None,
         n_parallel: int = 1,
         kv_unified: bool = False,
+        slot_prompt_similarity: float = 0.1,
         seed: int = -1,
         flash_attn: bool | None = None,
         progress: bool = False,
@@ -118,7 +122,7 @@ class Engine:
                 self.draft = Context(self.draft_model, mtp=True, kv_unified=False, **ctx_kw)
             debug = debug or os.environ.get("STEPMTP_DEBUG", "") not in ("", "0")
             self.driver = MTPDriver(self.target, self.draft, self.spec, n_seq=n_parallel, debug=debug)
-            self.slots = Slots(self.driver, self.model, n_parallel)
+            self.slots = Slots(self.driver, self.model, n_parallel, similarity=slot_prompt_similarity)
         except BaseException:
             self.close()
             raise

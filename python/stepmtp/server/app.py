@@ -121,6 +121,7 @@ class ServerState:
             from ..grammar import vocabulary
 
             vocabulary(m)  # the grammar backend's view of the vocabulary: built once, at load
+            self.templates.render("", {})  # a template worker started now, not on the first chat
             self.n_draft = engine.driver.n_draft
             log.info("model: %s (%s, %s parameters, %.1f MiB), n_ctx_train %d, loaded in %.2f s",
                      self.model_name, m.description, _si(m.n_params), m.size / 2**20, m.n_ctx_train,
@@ -388,7 +389,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                     "id_task": req.id,
                     "n_prompt_tokens": len(req.prompt_tokens),
                     "n_prompt_tokens_processed": req.state.n_prefilled,
-                    "n_prompt_tokens_cache": 0,
+                    "n_prompt_tokens_cache": req.state.stats.n_prompt_cached,
                     "params": F.generation_settings(settings),
                     "next_token": [{"has_next_token": not req.done, "has_new_line": "\n" in req.asm.text,
                                     "n_remain": n_remain, "n_decoded": req.n_decoded}],

@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(default: on when -np is auto)")
     add(g, "-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_const", const=False,
         help="split -c evenly between the slots")
+    add(g, "-sps", "--slot-prompt-similarity", metavar="SIMILARITY", dest="slot_prompt_similarity", type=_float,
+        default=0.1, help="how much of a request's prompt a slot's cached prompt must share for the request to "
+                          "go to that slot, else the least recently used one (default: 0.10, 0.0 = disabled)")
     add(g, "-b", "--batch-size", metavar="N", dest="batch_size", type=_int, default=2048, env="LLAMA_ARG_BATCH",
         help="logical maximum batch size (default: 2048)")
     add(g, "-ub", "--ubatch-size", metavar="N", dest="ubatch_size", type=_int, default=512, env="LLAMA_ARG_UBATCH",
@@ -333,6 +336,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
     spec = a.spec_type or ["none"]
     check(a.parallel != 0, "invalid value for -np/--parallel: 0")
     check(a.ctx_size >= 0, f"invalid value for -c/--ctx-size: {a.ctx_size}")
+    check(0.0 <= a.slot_prompt_similarity <= 1.0, f"invalid value for -sps: {a.slot_prompt_similarity}")
     check(a.batch_size >= 1, f"invalid value for -b/--batch-size: {a.batch_size}")
     check(a.ubatch_size >= 1, f"invalid value for -ub/--ubatch-size: {a.ubatch_size}")
     check(a.n_max >= 0, f"invalid value for --spec-draft-n-max: {a.n_max}")
@@ -412,6 +416,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         api_keys=keys,
         aliases=list(a.alias),
         verbose=a.verbose,
+        slot_prompt_similarity=a.slot_prompt_similarity,
         use_jinja=a.use_jinja,
         reasoning_format=a.reasoning_format,
         reasoning_budget=a.reasoning_budget,

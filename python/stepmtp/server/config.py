@@ -54,6 +54,8 @@ class ServerConfig:
     n_parallel: int = -1
     #: -kvu / -no-kvu; None: unified when -np is auto (llama-server's default)
     kv_unified: bool | None = None
+    #: -sps: a request goes to the idle slot sharing at least this share of its prompt
+    slot_prompt_similarity: float = 0.1
     #: --slots / --no-slots: the /slots endpoint
     endpoint_slots: bool = True
     n_threads: int | None = None
@@ -166,6 +168,7 @@ class ServerConfig:
             rpc=self.rpc or None,
             n_parallel=self.total_slots,
             kv_unified=self.unified_kv,
+            slot_prompt_similarity=self.slot_prompt_similarity,
             seed=self.seed if 0 <= self.seed < DEFAULT_SEED else -1,
             flash_attn=self.flash_attn,
         )

@@ -220,7 +220,7 @@ def native_final(c: Completion, info: ResultInfo, *, index: int = 0, stream: boo
         "index": index,
         "content": "" if stream else c.text,
         "tokens": [] if stream or not return_tokens else list(c.tokens),
-        "id_slot": 0,
+        "id_slot": c.slot,
         "stop": True,
         "model": info.model,
         "tokens_predicted": nd,
