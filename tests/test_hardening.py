@@ -202,3 +202,40 @@ def test_full_queue_answers_503(limited):
         (last,) = futs - done
         assert last.result(timeout=60).status_code == 200
     assert httpx.get(limited.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_stream_nobody_reads_is_paused(tiny):
+    """Back-pressure: the scheduler stops generating for a stream whose consumer has
+    not taken MAX_BACKLOG chunks (the kernel's socket buffers hold megabytes before a
+    server notices, so this is checked at the channel); it resumes, and ends whole,
+    once the consumer catches up."""
+    import asyncio
+
+    from stepmtp.sampling import SamplingParams
+    from stepmtp.server.worker import MAX_BACKLOG, Channel, GenRequest, Job, Worker
+
+    with Engine(tiny["embedded"], mode="chain", n_ctx=4096) as eng:
+        no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
+        worker = Worker(eng)
+        loop = asyncio.new_event_loop()
+        try:
+            job = Job(GenRequest(eng.tokenize("def f():"), 1000, [], SamplingParams(temperature=0,
+                                                                                  logit_bias=no_eos), True),
+                      Channel(loop))
+            worker.submit(job)
+            deadline = time.monotonic() + 30
+            while job.channel.backlog <= MAX_BACKLOG and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            held = job.channel.backlog
+            time.sleep(0.3)
+            assert job.channel.backlog == held, "it kept generating for nobody"
+            assert MAX_BACKLOG < held < MAX_BACKLOG + 8  # one round past the bound at most
+            items = []
+            while not items or items[-1][0] != "done":
+                items += job.channel.get_nowait()  # the consumer catches up
+                time.sleep(0.001)
+            assert sum(len(p.tokens) for k, p in items if k == "chunk") == 1000
+        finally:
+            worker.stop()
+            loop.close()

@@ -163,6 +163,8 @@ class Request:
         self.completion: Completion | None = None
         self.error: BaseException | None = None
         self.cancelled = False
+        #: its consumer is behind: it sits out the rounds (not the prompt) until it catches up
+        self.paused = False
         self._t_gen = 0.0
 
     @property
@@ -261,6 +263,12 @@ class Slots:
             self.waiting.append(req)
 
     @property
+    def stalled(self) -> bool:
+        """Nothing to do but wait: every slot's request is paused, none waits for one."""
+        return (not self.waiting and any(r is not None for r in self.slots)
+                and all(r is None or (r.paused and not r.state.prefilling) for r in self.slots))
+
+    @property
     def n_busy(self) -> int:
         return sum(r is not None for r in self.slots)
 
@@ -272,7 +280,7 @@ class Slots:
         self._release_finished()
         self._admit()
         drv = self.driver
-        running = [r for r in self.slots if r is not None and not r.state.prefilling]
+        running = [r for r in self.slots if r is not None and not r.state.prefilling and not r.paused]
         if running:
             states = [r.state for r in running]
             try:

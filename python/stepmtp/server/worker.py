@@ -58,6 +58,11 @@ class Channel:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
+    @property
+    def backlog(self) -> int:
+        """Items put and not yet taken: how far the consumer is behind."""
+        return len(self._items)
+
     def get_nowait(self) -> list[tuple[str, Any]]:  # event loop
         """Everything put so far, perhaps nothing."""
         with self._lock:
@@ -114,6 +119,12 @@ class Job:
     def cancel(self) -> None:
         """Stop the job (it is skipped if still queued); safe from any thread, any time."""
         self.cancelled.set()
+
+
+#: a stream whose client has not taken this many chunks is paused (its slot keeps its
+#: place but sits out the rounds) until it has taken half of them: a client that
+#: stops reading costs a bounded buffer, never the whole generation in memory
+MAX_BACKLOG = 256
 
 
 class Worker:
@@ -204,7 +215,13 @@ class Worker:
             for job, req in list(self._active.values()):
                 if job.cancelled.is_set() and not req.done:
                     eng.cancel(req)
-            if eng.busy:
+                # back-pressure: a stream far behind its client sits out the rounds
+                backlog = job.channel.backlog
+                if backlog > MAX_BACKLOG:
+                    req.paused = True
+                elif req.paused and backlog <= MAX_BACKLOG // 2:
+                    req.paused = False
+            if eng.busy and not eng.slots.stalled:
                 try:
                     eng.step()
                 except BaseException as e:  # noqa: BLE001 - a bug or a closed engine: fail, go on
@@ -212,6 +229,17 @@ class Worker:
                     for job, req in list(self._active.values()):
                         eng.cancel(req)
                         req.fail(e)
+            elif self._active:
+                # every stream waits for its client: wait for a new job, or a while
+                try:
+                    job = self._jobs.get(timeout=0.005)
+                except queue.Empty:
+                    pass
+                else:
+                    if job is None:
+                        self._cancel_active()
+                        return
+                    self._start(job)
             self._deliver()
 
     def _not_waiting(self, jid: int) -> None:
