@@ -1,6 +1,7 @@
 """``stepmtp.bench``: the change's output layout, prompt files, the regression gate
 (an unchanged run passes; a driver with chaining disabled, or a slower loop, fails
-it), the widened bench model (same greedy tokens), and server processes."""
+it), the widened model and the bench-size model shaped like Step-3.5-Flash (same
+greedy tokens), and server processes."""
 from __future__ import annotations
 
 import json
@@ -375,6 +376,109 @@ def test_widen_target_size(agree, tmp_path):
     res = widen(agree, tmp_path / "w.gguf", target_mb=6)
     assert 5.5e6 < res.dst_bytes < 7e6
 
+
+
+# -- the bench-size model: Step-3.5-Flash's cost shape ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def flash_small(tmp_path_factory: pytest.TempPathFactory):
+    """The bundled model shaped like Step-3.5-Flash at a small scale, 12 trunk layers
+    (the bench's own is scale 0.25 and 45 layers: same rules, 1.7 GB)."""
+    from stepmtp.bench.flash import shape_like_flash
+    from stepmtp.bench.model import resolve_model
+
+    src = resolve_model("bundled")
+    res = shape_like_flash(src, tmp_path_factory.mktemp("flash") / "flash.gguf", 0.03, n_layer=12)
+    return src, res
+
+
+def test_flash_shape(flash_small):
+    import gguf
+
+    src, res = flash_small
+    r = gguf.GGUFReader(str(res.path))
+    f = {k: v.contents() for k, v in r.fields.items()}
+    assert f["step35.block_count"] == 12 + 3
+    assert f["step35.expert_count"] == 72 and f["step35.expert_used_count"] == 2  # 2 of 72 = 8 of 288
+    assert res.n_vocab == (2048, 3872)  # 0.03 x 128896, padded to 32
+    assert len(f["tokenizer.ggml.tokens"]) == 3872 and f["tokenizer.ggml.token_type"][-1] == gguf.TokenType.UNUSED
+    assert f["step35.feed_forward_length"] == 384  # 0.03 x 11264 = 352, never narrower than trained
+    assert f["step35.expert_feed_forward_length"] == 160  # 0.03 x 1280 x 8 / 2
+    assert f["step35.expert_shared_feed_forward_length"] == 128  # never narrower than trained
+    # trained layers and heads keep their attention kinds; added layers follow 1 full : 3 SWA
+    swa = f["step35.attention.sliding_window_pattern"]
+    assert swa[:6] == [False, True, True, True, False, True] and swa[12:] == [True, True, False]
+    assert swa[6:12] == [i % 4 != 0 for i in range(6, 12)]
+    t = {x.name: x for x in r.tensors}
+    assert [int(n) for n in t["blk.14.nextn.shared_head_head.weight"].shape] == [128, 3872]
+    assert "blk.11.ffn_down_exps.weight" in t and "blk.15.attn_q.weight" not in t
+
+
+def test_flash_keeps_predictions(flash_small):
+    """Greedy tokens, drafts and acceptances are the bundled model's, plain and chained;
+    a padded token's logit is the mean real logit: never the largest."""
+    import numpy as np
+
+    from stepmtp import Batch, Context, Engine, Model
+
+    src, res = flash_small
+    out = {}
+    for path in (src, res.path):
+        for mode in ("none", "chain"):
+            with Engine(path, mode=mode, n_ctx=512, n_threads=1) as eng:
+                c = eng.generate("def heappush(heap, item):\n    \"\"\"Push item onto heap", n_predict=48,
+                                 temperature=0)
+                out[(path, mode)] = (c.tokens, c.stats.n_drafted, c.stats.n_accepted)
+    assert out[(src, "none")][0] == out[(res.path, "none")][0]
+    assert out[(src, "chain")] == out[(res.path, "chain")]
+    assert out[(src, "chain")][1] > 0
+    with Model(str(res.path)) as m:
+        ctx = Context(m, n_ctx=256, n_threads=1)
+        toks = m.tokenize("class OrderedDict(dict):\n    def __init__(self, other=(), /, **kwds):")
+        b = Batch(256)
+        b.fill(toks, 0, outputs="all")
+        ctx.decode(b)
+        L = ctx.logits_rows(len(toks))
+        real, pad = L[:, :2048], L[:, 2048:]
+        assert (L.argmax(1) < 2048).all()
+        assert np.allclose(pad, real.mean(1, keepdims=True), atol=0.1)
+        assert (real.max(1) - pad.max(1) > 3).all()
+        assert (np.sort(real, 1)[:, -10] > pad.max(1)).all()  # not among the 10 a draft is picked from
+        ctx.close()
+
+
+def test_flash_estimate():
+    """Step-3.5-Flash's ratios from its configuration (the README's table)."""
+    from stepmtp.bench.flash import FLASH, decode_params, estimate_costs
+
+    ratios, text = estimate_costs()
+    assert ratios["head/target1"] == pytest.approx(0.0706, abs=5e-4)
+    assert [round(ratios[f"verify{k}/target1"], 3) for k in (2, 3, 4)] == [1.448, 1.884, 2.308]
+    p = decode_params()
+    assert p["target"][1] == pytest.approx(11.46e9, rel=1e-3)  # "11B active"
+    assert p["distinct"][2] == pytest.approx(FLASH.n_expert * (1 - (1 - 8 / 288) ** 2))
+    assert "T4 / T1" in text
+
+
+def test_bench_model_cached(tmp_path, monkeypatch):
+    from stepmtp.bench import flash
+    from stepmtp.bench.model import bench_model, bench_scale
+
+    assert bench_scale(96) == 0.25 and bench_scale(1) == 1 / 64
+    made = []
+
+    def fake(src, dst, scale, **kw):
+        made.append(scale)
+        Path(dst).write_bytes(b"x")
+
+    monkeypatch.setattr(flash, "shape_like_flash", fake)
+    monkeypatch.setenv("STEPMTP_CACHE_DIR", str(tmp_path))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"model")
+    a = bench_model(src, 96, quiet=True)
+    assert bench_model(src, 96, quiet=True) == a and made == [0.25]
+    assert a.parent == tmp_path / "bench" and "flash" in a.name
 
 # -- servers ----------------------------------------------------------------------------
 

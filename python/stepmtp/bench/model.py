@@ -1,4 +1,5 @@
-"""Which model the bench runs: the default one, named ones, and the widened bench-size one.
+"""Which model the bench runs: the default one, named ones, and the bench-size one
+(the default one with Step-3.5-Flash's cost shape, ``flash.shape_like_flash``).
 
 ``DEFAULT_MODEL`` is the one place that names the default: the bundled trained
 model. ``tiny-agree`` (generated, heads that partly agree with the trunk by
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["DEFAULT_MODEL", "MODEL_NAMES", "cache_dir", "resolve_model", "bench_model", "file_sha256",
-           "ascii_byte_tokens"]
+           "ascii_byte_tokens", "bench_scale"]
 
 #: The model ``python -m stepmtp.bench`` runs without ``--model``.
 DEFAULT_MODEL = "bundled"
@@ -20,9 +21,14 @@ DEFAULT_MODEL = "bundled"
 #: Names ``--model`` accepts besides a path.
 MODEL_NAMES = ("tiny-agree", "bundled")
 
-#: Default size of the widened bench-size model, in MB: well beyond any CPU cache,
-#: so that a single-token decode is memory-bound.
-BENCH_MODEL_MB = 256
+#: Default size of the bench-size model: MB of weights one 1-row target decode reads
+#: (Step-3.5-Flash's shape at scale 0.25; the file is ~18x that, as Step-3.5-Flash's
+#: experts are ~18x its active weights): well beyond a CPU's last-level cache, so that
+#: a decode is memory-bound.
+BENCH_MODEL_MB = 96
+
+#: Bumped when the bench-size model's recipe changes (a new cache file).
+BENCH_MODEL_RECIPE = "flash1"
 
 
 def cache_dir() -> Path:
@@ -114,23 +120,35 @@ def file_sha256(path: str | os.PathLike[str], *, _cache: dict[tuple[str, int, in
 
 
 def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *, quiet: bool = False) -> Path:
-    """The widened bench-size variant of ``src`` (same predictions, ~size_mb MB), made
-    on first use and cached in ``~/.cache/stepmtp/bench`` (``STEPMTP_CACHE_DIR``)."""
-    from .widen import widen
+    """The bench-size variant of ``src``: its predictions, Step-3.5-Flash's cost shape
+    (45 trunk layers, heads and output head in proportion, 36 experts per used one),
+    at the scale where a 1-row target decode reads about ``size_mb`` MB (rounded to a
+    multiple of 1/64); made on first use and cached in ``~/.cache/stepmtp/bench``
+    (``STEPMTP_CACHE_DIR``)."""
+    from .flash import shape_like_flash
 
     src = Path(src)
+    scale = bench_scale(size_mb)
     tag = file_sha256(src)[:12]
-    dst = cache_dir() / "bench" / f"{src.stem}-{tag}-{int(size_mb)}mb.gguf"
+    dst = cache_dir() / "bench" / f"{src.stem}-{tag}-{BENCH_MODEL_RECIPE}-{int(size_mb)}mb.gguf"
     if dst.is_file():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print(f"bench: writing the bench-size model {dst} (~{size_mb:.0f} MB, once)", file=sys.stderr)
+        print(f"bench: writing the bench-size model {dst} (Step-3.5-Flash's shape at scale {scale:g}, "
+              f"~{size_mb:.0f} MB read per decode, a ~{18 * size_mb / 1e3:.1f} GB file; once)", file=sys.stderr)
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     try:
-        widen(src, tmp, target_mb=size_mb)
+        shape_like_flash(src, tmp, scale)
         os.replace(tmp, dst)
     finally:
         if tmp.exists():
             tmp.unlink()
     return dst
+
+
+def bench_scale(size_mb: float) -> float:
+    """The shaping scale of a bench-size model reading ``size_mb`` MB per decode."""
+    from .flash import scale_for_mb
+
+    return max(1, round(scale_for_mb(size_mb) * 64)) / 64

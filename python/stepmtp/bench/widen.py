@@ -36,11 +36,11 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["widen", "WidenResult", "PARTS"]
+__all__ = ["widen", "WidenResult", "PARTS", "copy_metadata"]
 
 #: part -> (width key without the arch prefix, tensor suffixes widened on the row axis,
 #: tensor suffixes widened on the inner axis)
@@ -83,6 +83,23 @@ def _pad(data: np.ndarray, axis: int, extra: int) -> np.ndarray:
     shape = list(data.shape)
     shape[axis] = extra
     return np.concatenate([np.asarray(data), np.zeros(shape, dtype=data.dtype)], axis=axis)
+
+
+def copy_metadata(reader: Any, dst: str | os.PathLike[str], edit: Callable[[str, Any, Any], Any]) -> Any:
+    """A GGUFWriter for ``dst`` with every metadata key of ``reader``, each value passed
+    through ``edit(name, value type, value)``."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    if "general.alignment" in reader.fields:
+        w.data_alignment = int(reader.fields["general.alignment"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, edit(name, vtype, field.contents()), vtype, sub_type=sub)
+    return w
 
 
 def widen(src: str | os.PathLike[str], dst: str | os.PathLike[str], factor: float | None = None, *,
@@ -139,19 +156,8 @@ def widen(src: str | os.PathLike[str], dst: str | os.PathLike[str], factor: floa
     new = {p: int(math.ceil(widths[p] * factor / align) * align) for p in parts}
     new = {p: max(w, widths[p]) for p, w in new.items()}
 
-    w = gguf.GGUFWriter(str(dst), arch)
-    if "general.alignment" in reader.fields:
-        w.data_alignment = int(reader.fields["general.alignment"].contents())
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        for p in parts:
-            if name == f"{arch}.{PARTS[p][0]}":
-                value = new[p]
-        w.add_key_value(name, value, vtype, sub_type=sub)
+    keys = {f"{arch}.{PARTS[p][0]}": new[p] for p in parts}
+    w = copy_metadata(reader, dst, lambda name, vtype, value: keys.get(name, value))
 
     plan = []
     for t in reader.tensors:
