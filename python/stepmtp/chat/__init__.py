@@ -9,6 +9,7 @@ memory); in-process, ``render_chat`` runs it directly.
 """
 from __future__ import annotations
 
+import datetime
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .jinja_render import TemplateFailure, render
@@ -48,7 +49,11 @@ def template_context(model: "Model", messages: Sequence[dict[str, Any]], *, add_
             raise ChatTemplateError("each message needs a 'role'")
     bos = model.token_to_piece(model.bos, special=True).decode("utf-8", "replace") if model.bos >= 0 else ""
     eos = model.token_to_piece(model.eos, special=True).decode("utf-8", "replace") if model.eos >= 0 else ""
-    ctx = {str(k): v for k, v in (variables or {}).items() if str(k) not in RESERVED}
+    now = datetime.datetime.now()
+    # what llama.cpp's template engine gives every template besides the messages
+    ctx: dict[str, Any] = {"enable_thinking": True, "date_string": now.strftime("%d %b %Y"),
+                           "datetime": now.strftime("%b %d %Y")}
+    ctx.update({str(k): v for k, v in (variables or {}).items() if str(k) not in RESERVED})
     ctx.update(messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
     return ctx
 

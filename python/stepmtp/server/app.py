@@ -261,7 +261,9 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     )
     app.state.stepmtp = st
     app.add_middleware(GateMiddleware, state=st)
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"], allow_headers=["*"])
+    # llama-server's CORS: the caller's origin echoed, credentials allowed
+    app.add_middleware(CORSMiddleware, allow_origin_regex=".*", allow_credentials=True,
+                       allow_methods=["GET", "POST"], allow_headers=["*"])
 
     # -- errors -----------------------------------------------------------------
 
@@ -411,7 +413,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         info = {
             "id": st.model_name,
             "aliases": sorted(cfg.aliases),
-            "tags": [],
+            "tags": list(cfg.tags),
             "object": "model",
             "created": int(time.time()),
             "owned_by": "llamacpp",
@@ -521,10 +523,9 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 grammar = await run_in_threadpool(Constraint.compile, eng.model, *spec)
             except ValueError as e:
                 raise bad_request(f"invalid grammar: {e}") from None
+        # llama-server: -n is the default for a request that gives no limit of its own
         n_predict = req.requested_n_predict()
-        n_predict = -1 if n_predict is None else n_predict
-        if cfg.n_predict >= 0:
-            n_predict = cfg.n_predict if n_predict < 0 else min(n_predict, cfg.n_predict)
+        n_predict = cfg.n_predict if n_predict is None else n_predict
         sampling, seed_shown = resolve_sampling(eng, req)
         for toks in prompts:
             if not toks:
@@ -936,7 +937,12 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         if rf not in REASONING_FORMATS:
             raise bad_request(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, not {rf!r}")
         thinking = req.add_generation_prompt and text.rstrip().endswith("<think>")
-        if thinking and (cfg.reasoning_budget == 0 or forced is not None):
+        try:
+            constrained = forced is not None or req.requested_grammar() is not None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        # no thinking when asked, and none under a grammar: the format is the answer, in content
+        if thinking and (cfg.reasoning_budget == 0 or constrained):
             # no thinking: the think block the template opened is closed right away
             text += "\n</think>\n" if not text.endswith("\n") else "</think>\n"
             thinking = False

@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "-s", "--seed", metavar="SEED", dest="seed", type=_int, default=-1,
         help="RNG seed (default: -1, a random seed)")
     add(g, "-n", "--predict", "--n-predict", metavar="N", dest="n_predict", type=_int, default=-1,
-        env="LLAMA_ARG_N_PREDICT", help="tokens to predict at most, for every request (default: -1, no limit)")
+        env="LLAMA_ARG_N_PREDICT", help="tokens to predict for a request that says nothing (default: -1, no limit)")
 
     g = ap.add_argument_group("server")
     add(g, "--host", metavar="HOST", dest="host", default="127.0.0.1", env="LLAMA_ARG_HOST",
@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto", env="LLAMA_ARG_THINK",
         help="none: thoughts stay in message.content; deepseek / auto: they go to message.reasoning_content "
              "(default: auto)")
+    add(g, "-rea", "--reasoning", metavar="on|off|auto", dest="reasoning", type=_on_off_auto, default=None,
+        help="thinking in the chat: on / off set the template's enable_thinking, auto leaves the template's "
+             "default (default: auto)")
     add(g, "--reasoning-budget", metavar="N", dest="reasoning_budget", type=_int, default=-1,
         env="LLAMA_ARG_THINK_BUDGET", help="-1: unrestricted thinking; 0: no thinking (default: -1)")
     add(g, "--template-timeout", metavar="S", dest="template_timeout", type=_float, default=5.0,
@@ -281,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("accepted for compatibility (no effect here)")
     add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
+    add(g, "--offline", dest="_offline", action="store_true", env="LLAMA_OFFLINE",
+        help="this server never downloads anything: always offline")
     add(g, "--tags", metavar="STRING", dest="_tags", env="LLAMA_ARG_TAGS",
         help="model tags, informational (not used)")
     add(g, "--slots", dest="endpoint_slots", action="store_const", const=True, default=True,
@@ -421,7 +426,9 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         reasoning_format=a.reasoning_format,
         reasoning_budget=a.reasoning_budget,
         chat_template=chat_template or None,
-        chat_template_kwargs=a.chat_template_kwargs or {},
+        chat_template_kwargs={**({"enable_thinking": a.reasoning} if a.reasoning is not None else {}),
+                              **(a.chat_template_kwargs or {})},
+        tags=[t for t in (a._tags or "").split(",") if t],
         template_timeout=a.template_timeout,
         template_max_chars=a.template_max_chars,
         **{dest: getattr(a, dest) for _, _, dest, _, _ in LIMIT_FLAGS},

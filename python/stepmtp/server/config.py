@@ -67,7 +67,7 @@ class ServerConfig:
     flash_attn: bool | None = None
     #: --seed; -1 (or 4294967295): random
     seed: int = -1
-    #: server-wide cap on n_predict (-n); -1: none
+    #: -n: n_predict of a request that gives none; -1: no limit
     n_predict: int = -1
     #: default sampling of a request (--temp, --top-k, ...)
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -93,6 +93,8 @@ class ServerConfig:
     max_logit_bias: int = 4096
     #: requests waiting for a slot at most (-1: no bound)
     max_queue: int = 256
+    #: --tags: the model's tags, listed by /models
+    tags: list[str] = field(default_factory=list)
     #: --reasoning-format: none (all in content), deepseek / auto (thoughts in reasoning_content)
     reasoning_format: str = "auto"
     #: --reasoning-budget: -1 no limit, 0 no thinking (the opened <think> is closed in the prompt)

@@ -3,6 +3,7 @@ native /completion results and stream chunks, OpenAI completions and chat
 (whole and streamed), timings, usage, and SSE framing."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import secrets
@@ -269,13 +270,20 @@ def usage(results: list[Completion]) -> dict[str, Any]:
     }
 
 
-def _envelope(info: ResultInfo, obj: str) -> dict[str, Any]:
-    from .. import __version__
+@functools.lru_cache(maxsize=1)
+def build_info() -> str:
+    """llama_build_info(): "b<build>-<commit>" of the llama.cpp inside (the sdist carries
+    no build number: 0)."""
+    from .. import system_info
 
+    return f"b0-{system_info().get('llama_cpp_commit') or 'unknown'}"
+
+
+def _envelope(info: ResultInfo, obj: str) -> dict[str, Any]:
     return {
         "created": info.created or int(time.time()),
         "model": info.model,
-        "system_fingerprint": f"stepmtp-{__version__}",
+        "system_fingerprint": build_info(),
         "object": obj,
         "id": info.id,
     }

@@ -315,6 +315,8 @@ class ChatCompletionRequest(GenerationFields):
         kind = rf.get("type")
         if kind == "json_object":
             schema = rf.get("schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise ValueError("response_format.schema must be an object")
             return ("json_schema", schema) if isinstance(schema, dict) else ("json_object", None)
         if kind == "json_schema":
             js = rf.get("json_schema")
