@@ -239,3 +239,22 @@ def test_a_stream_nobody_reads_is_paused(tiny):
         finally:
             worker.stop()
             loop.close()
+
+
+def test_cancel_during_prefill_frees_the_slot_within_a_chunk(tiny):
+    """A long prompt is decoded a chunk per step; a request dropped meanwhile (its
+    client left) stops at the next step and its slot is free for the next request."""
+    from stepmtp.slots import Cancelled
+
+    with Engine(tiny["embedded"], mode="chain", n_ctx=4096, n_batch=64, n_ubatch=64) as eng:
+        prompt = eng.tokenize("def f():\n    return 1\n" * 200)
+        assert len(prompt) > 20 * 64
+        req = eng.submit(prompt, n_predict=8, temperature=0)
+        eng.step()
+        eng.step()
+        assert req.state.prefilling and 0 < req.state.n_prefilled < len(prompt)
+        eng.cancel(req)
+        assert req.done and isinstance(req.error, Cancelled)
+        assert eng.slots.n_busy == 0 and not eng.busy
+        # the slot serves the next request at once
+        assert len(eng.generate("x", n_predict=3, temperature=0).tokens) == 3
