@@ -21,6 +21,7 @@ def test_version_and_system_info():
         "0003-require-all-mtp-blocks.patch",
         "0004-mtp-c-api.patch",
         "0005-rpc-lost-server-not-fatal.patch",
+        "0006-batch-coupling-check-batch-seqs.patch",
     ]
     assert "CPU" in info["backend"]
 
