@@ -136,3 +136,66 @@ def test_kv_full_fails_only_the_request_that_does_not_fit(agree):
         assert done[0].completion.finish_reason == "length"
         # the engine goes on
         assert len(eng.generate("x", n_predict=4, temperature=0).tokens) == 4
+
+
+@pytest.mark.parametrize("cfg", [dict(mode="chain", n_max=3), dict(mode="chain", n_max=3, schedule="reference"),
+                                 dict(mode="none")], ids=["fused", "reference", "none"])
+def test_slot_save_restore_into_another_engine(agree, tmp_path, cfg):
+    """A slot's cache saved to a file (target and heads) and restored into a fresh
+    engine: the next request reuses it and generates, and drafts, as after a fresh prompt."""
+    from stepmtp.engine import SlotBusy
+
+    prompt = PROMPT * 6
+    with Engine(agree, n_ctx=1024, debug=True, **cfg) as eng:
+        first = eng.generate(prompt, n_predict=N, temperature=0)
+        n, size = eng.save_slot(0, tmp_path / "slot.bin")
+        assert n >= len(eng.tokenize(prompt)) and size > 0
+        assert eng.erase_slot(0) == n and eng.erase_slot(0) == 0
+        again = eng.generate(prompt, n_predict=N, temperature=0)
+        assert again.stats.n_prompt_cached == 0
+        req = eng.submit(prompt, n_predict=4)
+        eng.step()
+        with pytest.raises(SlotBusy):
+            eng.save_slot(0, tmp_path / "busy.bin")
+        eng.cancel(req)
+    with Engine(agree, n_ctx=1024, debug=True, **cfg) as eng:
+        assert eng.restore_slot(0, tmp_path / "slot.bin")[0] == n
+        out = eng.generate(prompt, n_predict=N, temperature=0)
+        assert out.stats.n_prompt_cached >= len(eng.tokenize(prompt)) - 2
+        assert out.tokens == first.tokens
+        assert (out.stats.drafted_per_depth, out.stats.accepted_per_depth) == \
+               (first.stats.drafted_per_depth, first.stats.accepted_per_depth)
+        with pytest.raises(ValueError):
+            eng.save_slot(5, tmp_path / "x.bin")
+
+
+def test_server_slot_actions(agree, tmp_path):
+    import httpx
+
+    from tests.test_server import running
+
+    save_dir = tmp_path / "slots"
+    save_dir.mkdir()
+    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "2048", "-np", "1", "-t", "1",
+            "--slot-save-path", str(save_dir)]
+    with running(args, tmp_path) as srv:
+        body = {"prompt": PROMPT * 4, "n_predict": 8, "temperature": 0}
+        first = httpx.post(srv.url + "/completion", json=body, timeout=60).json()
+        r = httpx.post(srv.url + "/slots/0?action=save", json={"filename": "a.bin"}, timeout=60).json()
+        assert r["id_slot"] == 0 and r["filename"] == "a.bin" and r["n_saved"] > 0 and r["n_written"] > 0
+        assert "save_ms" in r["timings"] and (save_dir / "a.bin").is_file()
+        assert httpx.post(srv.url + "/slots/0?action=erase", timeout=60).json() == {"id_slot": 0,
+                                                                                    "n_erased": r["n_saved"]}
+        r2 = httpx.post(srv.url + "/slots/0?action=restore", json={"filename": "a.bin"}, timeout=60).json()
+        assert r2["n_restored"] == r["n_saved"] and r2["n_read"] == r["n_written"]
+        again = httpx.post(srv.url + "/completion", json=body, timeout=60).json()
+        assert again["content"] == first["content"] and again["timings"]["cache_n"] > 0
+        for bad in ({"filename": "../x"}, {"filename": ""}, {}, {"filename": ".hidden"}):
+            r = httpx.post(srv.url + "/slots/0?action=save", json=bad, timeout=60)
+            assert r.status_code == 400, bad
+        assert httpx.post(srv.url + "/slots/0?action=nope", timeout=60).status_code == 400
+        assert httpx.post(srv.url + "/slots/0?action=restore", json={"filename": "missing.bin"},
+                          timeout=60).status_code == 400
+    with running(args[:-2], tmp_path) as srv:
+        r = httpx.post(srv.url + "/slots/0?action=save", json={"filename": "a.bin"}, timeout=60)
+        assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]

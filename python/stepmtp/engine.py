@@ -18,6 +18,10 @@ from .slots import Chunk, Completion, Request, Slots, StopType
 
 __all__ = ["Engine", "Completion", "Chunk", "SpecConfig", "SamplingParams", "StopType"]
 
+class SlotBusy(ValueError):
+    """The slot is generating: it cannot be saved, restored or erased now."""
+
+
 class Engine:
     """A Step3.5 model with its MTP heads, ready to generate.
 
@@ -298,6 +302,41 @@ class Engine:
         with self._lock:
             if not self._closed and not req.done:
                 self.slots.drop(req)
+
+    # -- slot files (llama-server's /slots/{id}?action=save|restore|erase) ----------
+
+    def _idle_slot(self, slot: int) -> None:
+        self._check_open()
+        if not 0 <= slot < self.n_parallel:
+            raise ValueError(f"no slot {slot} (slots 0..{self.n_parallel - 1})")
+        if self.slots.slots[slot] is not None:
+            raise SlotBusy(f"slot {slot} is busy")
+
+    def save_slot(self, slot: int, path: str | os.PathLike[str]) -> tuple[int, int]:
+        """Write what an idle slot's KV holds (its last prompt and output, the heads'
+        state beside it); (tokens, bytes)."""
+        from pathlib import Path
+
+        with self._lock:
+            self._idle_slot(slot)
+            return self.driver.save_cache(slot, Path(path))
+
+    def restore_slot(self, slot: int, path: str | os.PathLike[str]) -> tuple[int, int]:
+        """Load a slot file into an idle slot: the next request sharing its prefix
+        reuses it; (tokens, bytes)."""
+        from pathlib import Path
+
+        with self._lock:
+            self._idle_slot(slot)
+            return self.driver.restore_cache(slot, Path(path))
+
+    def erase_slot(self, slot: int) -> int:
+        """Forget what an idle slot holds; the tokens it held."""
+        with self._lock:
+            self._idle_slot(slot)
+            n = len(self.driver.cached_tokens(slot))
+            self.driver.release(slot)
+            return n
 
     @property
     def busy(self) -> bool:

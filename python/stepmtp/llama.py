@@ -627,6 +627,38 @@ class Context(_Closing):
         if not lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
             raise LlamaError(f"could not remove positions [{p0}, {p1}) of sequence {seq}")
 
+    # -- a sequence's state (its KV), to files and back ----------------------------
+
+    def seq_state(self, seq: int) -> bytes:
+        """The sequence's KV as llama.cpp serialises it."""
+        n = lib.llama_state_seq_get_size(self.ptr, seq)
+        buf = ffi.new("uint8_t[]", max(1, n))
+        got = lib.llama_state_seq_get_data(self.ptr, buf, n, seq)
+        return ffi.buffer(buf, got)[:]
+
+    def set_seq_state(self, seq: int, data: bytes) -> None:
+        if not lib.llama_state_seq_set_data(self.ptr, data, len(data), seq):
+            raise LlamaError(f"could not load a sequence state of {len(data)} bytes into sequence {seq}")
+
+    def save_seq_file(self, path: str | os.PathLike[str], seq: int, tokens: Sequence[int]) -> int:
+        """llama.cpp's sequence file (what llama-server's slot save writes); its size."""
+        toks = ffi.new("llama_token[]", list(tokens) or [0])
+        with ErrorCapture() as cap:
+            n = lib.llama_state_seq_save_file(self.ptr, os.fsencode(path), seq, toks, len(tokens))
+        if not n:
+            raise LlamaError(cap.message(f"{path}: could not save sequence {seq}"))
+        return int(n)
+
+    def load_seq_file(self, path: str | os.PathLike[str], seq: int, capacity: int) -> list[int]:
+        """Load a sequence file into ``seq``; the tokens it holds."""
+        toks = ffi.new("llama_token[]", max(1, capacity))
+        count = ffi.new("size_t *")
+        with ErrorCapture() as cap:
+            n = lib.llama_state_seq_load_file(self.ptr, os.fsencode(path), seq, toks, capacity, count)
+        if not n:
+            raise LlamaError(cap.message(f"{path}: could not load into sequence {seq}"))
+        return [int(toks[i]) for i in range(count[0])]
+
     def seq_pos_min(self, seq: int = 0) -> int:
         """The first position held for a sequence, -1 when empty."""
         return lib.llama_memory_seq_pos_min(self._mem, seq)

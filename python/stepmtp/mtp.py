@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -223,6 +224,10 @@ class _Cache:
     kv_valid: list[int]
     anchors: _Anchors | None
     h_log: dict[int, np.ndarray] | None
+
+
+def _side_path(path: Path) -> Path:
+    return path.with_name(path.name + ".mtp.npz")
 
 
 def _masked(s: SeqState, row: np.ndarray) -> np.ndarray:
@@ -424,6 +429,61 @@ class MTPDriver:
         else:
             kv_valid, anchors = [n] * self.n_heads, None
         self.cache[s.seq_id] = _Cache(tokens, kv_valid, anchors, s.h_log)
+
+    # -- a slot's cache to a file and back (llama-server's slot save / restore) ------
+
+    def save_cache(self, seq_id: int, path: Path) -> tuple[int, int]:
+        """Write what slot ``seq_id`` holds: the target's sequence in llama.cpp's file
+        format, and the heads' (their KV, anchored prefixes, the rows they have not
+        seen) beside it, in ``path.mtp.npz``. (tokens, bytes written)."""
+        c = self.cache[seq_id]
+        if c is None or not c.tokens:
+            raise ValueError(f"slot {seq_id} holds no prompt to save")
+        n = self.target.save_seq_file(path, seq_id, c.tokens)
+        if self.draft is not None:
+            A = c.anchors
+            side = {f"head{k}": np.frombuffer(self.draft.seq_state(seq_id * self.n_heads + k), dtype=np.uint8)
+                    for k in range(self.n_heads)}
+            side.update(kv_valid=np.array(c.kv_valid, dtype=np.int64), n_tokens=np.array(len(c.tokens)),
+                        anchors_start=np.array(A.start if A else 0),
+                        anchors_tok=A.tok[: A.n] if A else np.zeros(0, np.int32),
+                        anchors_h=A.h[: A.n] if A else np.zeros((0, self.n_embd), np.float32))
+            side_path = _side_path(path)
+            with open(side_path, "wb") as f:
+                np.savez(f, **side)
+            n += side_path.stat().st_size
+        return len(c.tokens), n
+
+    def restore_cache(self, seq_id: int, path: Path) -> tuple[int, int]:
+        """Load a slot file into slot ``seq_id`` (its KV and the heads'), so the next
+        request reuses it. (tokens, bytes read)."""
+        self.release(seq_id)
+        try:
+            tokens = self.target.load_seq_file(path, seq_id, self.n_ctx_seq)
+            n = path.stat().st_size
+            kv_valid, anchors = [len(tokens)] * self.n_heads, None
+            if self.draft is not None:
+                side_path = _side_path(path)
+                if not side_path.is_file():
+                    raise ValueError(f"{path.name} holds no MTP heads' state ({side_path.name}): saved by another "
+                                     "server or without speculation")
+                with np.load(side_path) as z:
+                    if int(z["n_tokens"]) != len(tokens) or len(z["kv_valid"]) != self.n_heads:
+                        raise ValueError(f"{side_path.name} does not belong to {path.name}")
+                    for k in range(self.n_heads):
+                        self.draft.set_seq_state(seq_id * self.n_heads + k, z[f"head{k}"].tobytes())
+                    kv_valid = [int(v) for v in z["kv_valid"]]
+                    if self.fused and self.speculate:
+                        anchors = _Anchors(self.n_embd, max(2 * self.n_chunk, len(z["anchors_tok"])))
+                        anchors.reset(int(z["anchors_start"]))
+                        if len(z["anchors_tok"]):
+                            anchors.append(z["anchors_tok"], z["anchors_h"])
+                n += side_path.stat().st_size
+        except BaseException:
+            self.release(seq_id)
+            raise
+        self.cache[seq_id] = _Cache(tokens, kv_valid, anchors, None)
+        return len(tokens), n
 
     def cached_tokens(self, seq_id: int) -> list[int]:
         c = self.cache[seq_id]

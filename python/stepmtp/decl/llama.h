@@ -134,6 +134,15 @@ int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_mes
 int32_t llama_chat_builtin_templates(const char ** output, size_t len);
 
 void llama_memory_clear(llama_memory_t mem, bool data);
+
+size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size,
+                                llama_seq_id dest_seq_id);
+size_t llama_state_seq_save_file(struct llama_context * ctx, const char * filepath, llama_seq_id seq_id,
+                                 const llama_token * tokens, size_t n_token_count);
+size_t llama_state_seq_load_file(struct llama_context * ctx, const char * filepath, llama_seq_id dest_seq_id,
+                                 llama_token * tokens_out, size_t n_token_capacity, size_t * n_token_count_out);
 bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
 void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
 llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);

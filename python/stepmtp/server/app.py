@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .. import __version__
 from ..chat import render_builtin, render_chat as render_chat_text, template_source
 from ..chat.sandbox import TemplateSandbox
-from ..engine import Completion, Engine
+from ..engine import Completion, Engine, SlotBusy
 from ..sampling import SamplingParams
 from ..chat.step_format import Delta
 from . import anthropic as A
@@ -437,6 +437,47 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             "object": "list",
             "data": [info],
         }
+
+    @app.post("/slots/{id_slot}", tags=["server"],
+              summary="A slot's cache to a file and back: ?action=save|restore|erase, body {\"filename\": ...}")
+    async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[str, Any]:
+        eng = st.need_engine()
+        if not cfg.slot_save_path:
+            raise APIError("This server does not support slots action. Start it with `--slot-save-path`",
+                           "not_supported_error")
+        try:
+            slot = int(id_slot)
+        except ValueError:
+            raise bad_request("Invalid slot ID") from None
+        if action not in ("save", "restore", "erase"):
+            raise bad_request("Invalid action")
+        path = None
+        if action != "erase":
+            raw = await read_body(request)
+            try:
+                filename = json.loads(raw or b"{}").get("filename")
+            except (ValueError, AttributeError):
+                filename = None
+            if not _valid_filename(filename):
+                raise bad_request("Invalid filename")
+            path = Path(cfg.slot_save_path) / filename
+        t0 = time.perf_counter()
+        try:
+            if action == "save":
+                n, size = await run_in_threadpool(eng.save_slot, slot, path)
+                return {"id_slot": slot, "filename": path.name, "n_saved": n, "n_written": size,
+                        "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+            if action == "restore":
+                if not path.is_file():
+                    raise bad_request(f"slot file {path.name} not found")
+                n, size = await run_in_threadpool(eng.restore_slot, slot, path)
+                return {"id_slot": slot, "filename": path.name, "n_restored": n, "n_read": size,
+                        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+            return {"id_slot": slot, "n_erased": await run_in_threadpool(eng.erase_slot, slot)}
+        except SlotBusy as e:
+            raise APIError(str(e), "unavailable_error") from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
 
     @app.get("/metrics", tags=["server"], response_class=PlainTextResponse,
              summary="Prometheus metrics (llama-server's, plus the MTP heads' per depth)")
@@ -1027,6 +1068,12 @@ def _tokenize_pieces(eng: Engine, pieces: PromptPieces, add_special: bool, parse
         else:
             out.append(p)
     return out
+
+
+def _valid_filename(name: Any) -> bool:
+    """A plain file name inside --slot-save-path: no directories, nothing hidden."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\\" not in name
+            and "\0" not in name and not name.startswith(".") and name.strip() == name)
 
 
 def _key_matches(key: str, keys: list[str]) -> bool:

@@ -56,6 +56,8 @@ class ServerConfig:
     kv_unified: bool | None = None
     #: -sps: a request goes to the idle slot sharing at least this share of its prompt
     slot_prompt_similarity: float = 0.1
+    #: --slot-save-path: where slot files go (None: slot actions disabled)
+    slot_save_path: str | None = None
     #: --slots / --no-slots: the /slots endpoint
     endpoint_slots: bool = True
     n_threads: int | None = None
