@@ -199,3 +199,27 @@ def test_server_slot_actions(agree, tmp_path):
     with running(args[:-2], tmp_path) as srv:
         r = httpx.post(srv.url + "/slots/0?action=save", json={"filename": "a.bin"}, timeout=60)
         assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("cfg", [dict(mode="chain", n_max=3), dict(mode="chain", n_max=2, schedule="reference")],
+                         ids=["fused", "reference"])
+def test_host_memory_keeps_a_conversation_another_one_displaced(agree, cfg):
+    """One slot, two conversations taking turns: with --cache-ram the one that lost the
+    slot comes back from host memory (its next turn decodes only what is new), and the
+    output is what it is without any cache."""
+    a, b = PROMPT * 5, "class Parser:\n    '''Parse it.'''\n" * 5
+    with Engine(agree, n_ctx=2048, debug=True, cache_ram_mib=64, **cfg) as eng:
+        first_a = eng.generate(a, n_predict=N, temperature=0)
+        eng.generate(b, n_predict=N, temperature=0)  # takes the slot: a goes to host memory
+        assert len(eng.driver.host) == 1
+        follow = eng.tokenize(a) + first_a.tokens[:-1] + eng.tokenize("\n    x = 1\n", add_special=False)
+        out = eng.generate(follow, n_predict=N, temperature=0)
+        assert out.stats.n_prompt_cached >= len(eng.tokenize(a)) + N - 3
+        ref = eng.generate(follow, n_predict=N, temperature=0, cache_prompt=False)
+        assert out.tokens == ref.tokens
+        assert (out.stats.drafted_per_depth, out.stats.accepted_per_depth) == \
+               (ref.stats.drafted_per_depth, ref.stats.accepted_per_depth)
+    with Engine(agree, n_ctx=2048, **cfg) as eng:  # without it: b's turn wiped a
+        eng.generate(a, n_predict=N, temperature=0)
+        eng.generate(b, n_predict=N, temperature=0)
+        assert eng.generate(follow, n_predict=N, temperature=0).stats.n_prompt_cached == 0

@@ -47,6 +47,10 @@ class Engine:
         slot_prompt_similarity: a request goes to the free slot whose cached prompt
             shares the most with its own when that is more than this share of it
             (llama-server's ``-sps``), else to the least recently used free slot.
+        cache_ram_mib: host memory for prompts a slot is about to lose (another
+            conversation takes the slot, a full shared cache evicts it), copied back
+            into a slot for a later request that shares more with them (llama-server's
+            ``--cache-ram``); 0: none kept, -1: no bound.
         seed: default seed of the samplers (a request's own seed wins).
         progress: show loading progress on stderr.
         debug: check the driver's invariant (pending_h == h_tgt(pos(id_last) - 1))
@@ -77,6 +81,7 @@ class Engine:
         n_parallel: int = 1,
         kv_unified: bool = False,
         slot_prompt_similarity: float = 0.1,
+        cache_ram_mib: int = 0,
         seed: int = -1,
         flash_attn: bool | None = None,
         progress: bool = False,
@@ -125,7 +130,8 @@ class Engine:
                 ctx_kw.update(n_ctx=self.target.n_ctx_seq * n_dseq, n_seq_max=n_dseq)
                 self.draft = Context(self.draft_model, mtp=True, kv_unified=False, **ctx_kw)
             debug = debug or os.environ.get("STEPMTP_DEBUG", "") not in ("", "0")
-            self.driver = MTPDriver(self.target, self.draft, self.spec, n_seq=n_parallel, debug=debug)
+            self.driver = MTPDriver(self.target, self.draft, self.spec, n_seq=n_parallel, debug=debug,
+                                    cache_ram=cache_ram_mib << 20 if cache_ram_mib > 0 else cache_ram_mib)
             self.slots = Slots(self.driver, self.model, n_parallel, similarity=slot_prompt_similarity)
         except BaseException:
             self.close()

@@ -58,6 +58,7 @@ import numpy as np
 
 from .adaptive import AdaptiveLength, RoundCosts
 from .llama import Batch, Context, KVFullError, LlamaError
+from .prompt_cache import HostPromptCache, Snapshot
 from .sampling import Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
 
@@ -289,7 +290,7 @@ class MTPDriver:
     """
 
     def __init__(self, target: Context, draft: Context | None, spec: SpecConfig, *,
-                 n_seq: int = 1, debug: bool = False) -> None:
+                 n_seq: int = 1, debug: bool = False, cache_ram: int = 0) -> None:
         self.target = target
         self.draft = draft
         self.spec = spec
@@ -327,6 +328,8 @@ class MTPDriver:
         self._costs = RoundCosts(self.n_draft)
         #: per slot: what its KV holds since its last sequence ended (prompt caching)
         self.cache: list[_Cache | None] = [None] * n_seq
+        #: prompts kept in host memory (cache_ram bytes; None: none kept)
+        self.host = HostPromptCache(None if cache_ram < 0 else cache_ram) if cache_ram else None
 
     # -- timing: what runs inside llama.cpp, so the rest is Python's share ------
 
@@ -363,12 +366,22 @@ class MTPDriver:
         if len(prompt) >= self.n_ctx_seq:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context ({self.n_ctx_seq})")
         c, self.cache[s.seq_id] = self.cache[s.seq_id], None
+        shared = common_prefix(c.tokens, prompt) if reuse and c is not None else 0
+        if reuse and self.host is not None:
+            # a prompt kept in host memory that shares more than the slot's own goes
+            # back in; the slot's, if it is about to be lost, goes out
+            key, n_host = self.host.best(prompt, common_prefix)
+            if n_host > shared + self.HOST_MIN_GAIN:
+                self._stash(s.seq_id, c, keep=shared)
+                c = self._unstash(s.seq_id, self.host.take(key))
+                shared = n_host
         # at least the prompt's last token is decoded (its logits give the first
         # token), and the one before it too: its trunk row anchors the first new
         # position for the heads (trunk rows are not kept, only the KV)
-        n_keep = min(common_prefix(c.tokens, prompt), len(prompt) - 1) if reuse and c is not None else 0
+        n_keep = min(shared, len(prompt) - 1)
         if n_keep < 2:
             n_keep = 0
+            self._stash(s.seq_id, c, keep=0)
             self.release(s.seq_id)
         s.prompt, s.n_prefilled = list(prompt), max(0, n_keep - 1)
         s.anchor_from = n_keep
@@ -484,6 +497,46 @@ class MTPDriver:
             raise
         self.cache[seq_id] = _Cache(tokens, kv_valid, anchors, None)
         return len(tokens), n
+
+    # -- prompts kept in host memory (--cache-ram) ----------------------------------
+
+    #: a kept prompt replaces the slot's own only when it shares this many more tokens
+    HOST_MIN_GAIN = 16
+
+    def evict(self, seq_id: int) -> None:
+        """Free a slot's KV (a shared cache needs the cells), keeping its prompt in
+        host memory when there is a budget for it."""
+        self._stash(seq_id, self.cache[seq_id], keep=0)
+        self.release(seq_id)
+
+    def _stash(self, seq_id: int, c: _Cache | None, keep: int) -> None:
+        """Copy a slot's cached state to host memory if more than HOST_MIN_GAIN tokens of
+        it are about to be lost (only ``keep`` of them stay in the slot)."""
+        if self.host is None or c is None or len(c.tokens) - keep <= self.HOST_MIN_GAIN:
+            return
+        heads = ([self.draft.seq_state(seq_id * self.n_heads + k) for k in range(self.n_heads)]
+                 if self.draft is not None else [])
+        A = c.anchors
+        anchors = (A.start, A.tok[: A.n].copy(), A.h[: A.n].copy()) if A is not None else None
+        target = self.target.seq_state(seq_id)
+        nbytes = len(target) + sum(map(len, heads)) + (anchors[1].nbytes + anchors[2].nbytes if anchors else 0)
+        self.host.put(Snapshot(list(c.tokens), (target, heads, list(c.kv_valid), anchors), nbytes))
+
+    def _unstash(self, seq_id: int, snap: Snapshot) -> _Cache:
+        """Put a kept prompt back into slot ``seq_id``; its cache."""
+        target, heads, kv_valid, anchors = snap.state
+        self.release(seq_id)
+        self.target.set_seq_state(seq_id, target)
+        for k, h in enumerate(heads):
+            self.draft.set_seq_state(seq_id * self.n_heads + k, h)
+        A = None
+        if anchors is not None:
+            start, tok, hrows = anchors
+            A = _Anchors(self.n_embd, max(2 * self.n_chunk, len(tok)))
+            A.reset(start)
+            if len(tok):
+                A.append(tok, hrows)
+        return _Cache(snap.tokens, kv_valid, A, None)
 
     def cached_tokens(self, seq_id: int) -> list[int]:
         c = self.cache[seq_id]

@@ -363,7 +363,7 @@ class Slots:
             if free >= n_new + drv.n_draft + 2:
                 break
             if held[i]:
-                drv.release(i)
+                drv.evict(i)
                 free += held[i]
 
     def _evict_idle(self) -> bool:
@@ -371,7 +371,7 @@ class Slots:
         True when there were any."""
         idle = [i for i in range(self.n) if self.slots[i] is None and self.driver.cached_tokens(i)]
         for i in idle:
-            self.driver.release(i)
+            self.driver.evict(i)
         return bool(idle)
 
     def _release_finished(self) -> None:

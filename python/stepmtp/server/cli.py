@@ -202,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "-sps", "--slot-prompt-similarity", metavar="SIMILARITY", dest="slot_prompt_similarity", type=_float,
         default=0.1, help="how much of a request's prompt a slot's cached prompt must share for the request to "
                           "go to that slot, else the least recently used one (default: 0.10, 0.0 = disabled)")
+    add(g, "-cram", "--cache-ram", metavar="N", dest="cache_ram", type=_int, default=8192,
+        env="LLAMA_ARG_CACHE_RAM", help="MiB of host memory for prompts slots lose (another conversation takes "
+                                        "the slot), restored for a request that shares more with them; -1: no "
+                                        "limit, 0: disabled (default: 8192)")
     add(g, "--slot-save-path", metavar="PATH", dest="slot_save_path", default=None,
         help="where POST /slots/{id}?action=save|restore keeps slot files (default: disabled)")
     add(g, "-b", "--batch-size", metavar="N", dest="batch_size", type=_int, default=2048, env="LLAMA_ARG_BATCH",
@@ -344,6 +348,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
     check(a.parallel != 0, "invalid value for -np/--parallel: 0")
     check(a.ctx_size >= 0, f"invalid value for -c/--ctx-size: {a.ctx_size}")
     check(0.0 <= a.slot_prompt_similarity <= 1.0, f"invalid value for -sps: {a.slot_prompt_similarity}")
+    check(a.cache_ram >= -1, f"invalid value for --cache-ram: {a.cache_ram}")
     if a.slot_save_path is not None:
         check(Path(a.slot_save_path).is_dir(), f"--slot-save-path: not a directory: {a.slot_save_path}")
     check(a.batch_size >= 1, f"invalid value for -b/--batch-size: {a.batch_size}")
@@ -427,6 +432,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         verbose=a.verbose,
         slot_prompt_similarity=a.slot_prompt_similarity,
         slot_save_path=a.slot_save_path,
+        cache_ram_mib=a.cache_ram,
         use_jinja=a.use_jinja,
         reasoning_format=a.reasoning_format,
         reasoning_budget=a.reasoning_budget,

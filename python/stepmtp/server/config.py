@@ -56,6 +56,8 @@ class ServerConfig:
     kv_unified: bool | None = None
     #: -sps: a request goes to the idle slot sharing at least this share of its prompt
     slot_prompt_similarity: float = 0.1
+    #: --cache-ram: MiB of host memory for prompts slots lose (-1 no bound, 0 none)
+    cache_ram_mib: int = 8192
     #: --slot-save-path: where slot files go (None: slot actions disabled)
     slot_save_path: str | None = None
     #: --slots / --no-slots: the /slots endpoint
@@ -173,6 +175,7 @@ class ServerConfig:
             n_parallel=self.total_slots,
             kv_unified=self.unified_kv,
             slot_prompt_similarity=self.slot_prompt_similarity,
+            cache_ram_mib=self.cache_ram_mib,
             seed=self.seed if 0 <= self.seed < DEFAULT_SEED else -1,
             flash_attn=self.flash_attn,
         )
