@@ -47,7 +47,8 @@ def test_cached_prefix_gives_the_same_output(tiny, agree, model, cfg):
     # but the last shared token, decoded again for its trunk row
     held = prompts[2] + fresh[2].tokens[:-1]
     for c, p in zip(cached, prompts):
-        assert min(common_prefix(held, p), len(p) - 1) - 1 <= c.stats.n_prompt_cached <= len(p) - 2
+        redo = 0 if cfg["mode"] == "none" else 1  # speculating, the last shared token is decoded again
+        assert min(common_prefix(held, p), len(p) - 1) - redo <= c.stats.n_prompt_cached <= len(p) - 1 - redo
         held = p + c.tokens[:-1]
     assert cached[1].stats.n_prompt_cached >= len(prompts[0]) + N - 2
     if cfg["mode"] != "none" and not cfg.get("adaptive"):
@@ -64,7 +65,7 @@ def test_nothing_in_common_decodes_everything(tiny):
         assert out.stats.n_prompt_cached == 0
         # the same prompt again: everything but the last two tokens comes from the cache
         again = eng.generate("class B:\n    pass\n", n_predict=8, temperature=0)
-        assert again.stats.n_prompt_cached == again.stats.n_prompt - 2
+        assert again.stats.n_prompt_cached == again.stats.n_prompt - 2  # chain: the last shared token again
         assert again.tokens == out.tokens
 
 

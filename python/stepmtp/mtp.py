@@ -376,14 +376,15 @@ class MTPDriver:
                 c = self._unstash(s.seq_id, self.host.take(key))
                 shared = n_host
         # at least the prompt's last token is decoded (its logits give the first
-        # token), and the one before it too: its trunk row anchors the first new
-        # position for the heads (trunk rows are not kept, only the KV)
+        # token); when speculating, the one before it too: its trunk row anchors the
+        # first new position for the heads (trunk rows are not kept, only the KV)
         n_keep = min(shared, len(prompt) - 1)
         if n_keep < 2:
             n_keep = 0
             self._stash(s.seq_id, c, keep=0)
             self.release(s.seq_id)
-        s.prompt, s.n_prefilled = list(prompt), max(0, n_keep - 1)
+        redo = 1 if self.speculate and n_keep else 0
+        s.prompt, s.n_prefilled = list(prompt), n_keep - redo
         s.anchor_from = n_keep
         s.tokens = list(prompt)
         s.pos, s.id_last = 0, -1
@@ -405,11 +406,11 @@ class MTPDriver:
             self._reuse(s, c, n_keep)
 
     def _reuse(self, s: SeqState, c: _Cache, n_keep: int) -> None:
-        """Keep the cached KV of positions [0, n_keep) (the target re-decodes from
-        n_keep - 1 on, the heads go on from n_keep)."""
-        self.target.seq_rm(s.seq_id, n_keep - 1)
+        """Keep the cached KV of positions [0, n_keep) (the target decodes from
+        n_prefilled on, the heads go on from n_keep)."""
+        self.target.seq_rm(s.seq_id, s.n_prefilled)
         if s.h_log is not None and c.h_log is not None:
-            s.h_log = {p: h for p, h in c.h_log.items() if p < n_keep - 1}
+            s.h_log = {p: h for p, h in c.h_log.items() if p < s.n_prefilled}
         if self.draft is None:
             return
         for k in range(self.n_heads):
