@@ -36,7 +36,10 @@ def server(agree, tmp_path_factory):
 @pytest.fixture(scope="module")
 def small(agree, tmp_path_factory):
     """A short context: what fuzzed requests generate stays short."""
-    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "256", "-np", "2", "-t", "1"]
+    # slot files on, so that the slot routes are exercised, not refused (501 as llama-server)
+    slots = tmp_path_factory.mktemp("fuzz-slots")
+    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "256", "-np", "2", "-t", "1",
+            "--slot-save-path", str(slots)]
     with running(args, tmp_path_factory.mktemp("fuzz")) as srv:
         yield srv
 
