@@ -182,7 +182,9 @@ class Request:
             self._t_gen = time.perf_counter()
         unsent: list[int] = []
         # the round's tokens' probabilities, in the same order (n_probs)
-        probs, self.state.token_probs = self.state.token_probs, []
+        probs = self.state.token_probs
+        if probs:
+            self.state.token_probs = []
         for i, tok in enumerate(tokens):
             if model.is_eog(tok):
                 self.stop_type, self.finish = "eos", "stop"
