@@ -834,7 +834,11 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 results = await run_all(jobs, request)
             except ClientGone:
                 return gone()
-            return JSONResponse(F.oai_chat(results, info, [chat_message(fmt.parser(), c.text) for c in results]))
+            res = F.oai_chat(results, info, [chat_message(fmt.parser(), c.text) for c in results])
+            if cfg.verbose:  # llama-server's debug object: the native result, the prompt included
+                info.prompt_text = eng.model.detokenize(results[0].prompt_tokens, unparse_special=True)
+                res["__verbose"] = F.native_final(results[0], info)
+            return JSONResponse(res)
 
         job = submit(gens[0])
         try:
@@ -935,6 +939,18 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
 
+    @app.post("/chat/completions/input_tokens", tags=["openai"], openapi_extra=json_body(ChatCompletionRequest),
+              summary="Tokens a chat request's prompt takes")
+    @app.post("/v1/chat/completions/input_tokens", include_in_schema=False,
+              openapi_extra=json_body(ChatCompletionRequest))
+    async def chat_input_tokens(request: Request) -> dict[str, int]:
+        eng = st.need_engine()
+        req = await body(request, ChatCompletionRequest)
+        _check_messages(req.messages)
+        _, text = await chat_prompt(eng, req)
+        toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+        return {"input_tokens": len(toks)}
+
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
     async def anthropic_count_tokens(request: Request) -> dict[str, int]:
         eng = st.need_engine()
@@ -973,11 +989,23 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         if req.reasoning_effort is not None:
             variables["reasoning_effort"] = req.reasoning_effort
         variables.update(req.chat_template_kwargs or {})
-        text = await render_chat(eng, req.messages, req.add_generation_prompt, variables)
+        msgs = req.messages
+        if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise bad_request("Cannot set both add_generation_prompt and continue_final_message")
+        if len(msgs) >= 2 and msgs[-1].role == "assistant" and msgs[-2].role == "assistant":
+            raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
+        # a last assistant message is a prefill (llama-server): the answer continues it
+        prefill = msgs[-1].text() if msgs[-1].role == "assistant" and not (msgs[-1].model_extra or {}).get(
+            "tool_calls") else None
+        text = await render_chat(eng, msgs, req.add_generation_prompt and prefill is None, variables)
+        if prefill:
+            cut = text.rfind(prefill)
+            if cut >= 0:
+                text = text[: cut + len(prefill)]
         rf = req.reasoning_format or cfg.reasoning_format
         if rf not in REASONING_FORMATS:
             raise bad_request(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, not {rf!r}")
-        thinking = req.add_generation_prompt and text.rstrip().endswith("<think>")
+        thinking = req.add_generation_prompt and prefill is None and text.rstrip().endswith("<think>")
         try:
             constrained = forced is not None or req.requested_grammar() is not None
         except ValueError as e:

@@ -292,6 +292,8 @@ class ChatCompletionRequest(GenerationFields):
     parallel_tool_calls: Optional[bool] = None
     reasoning_format: Optional[str] = None
     reasoning_effort: Optional[str] = None
+    #: vLLM's: continue the last (assistant) message instead of starting a new one
+    continue_final_message: Optional[bool] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Int] = Field(None, ge=0)
 
