@@ -653,3 +653,22 @@ def test_odd_values_never_make_a_500(server, client):
                 assert r.status_code < 500, (route, name, value, r.text)
     assert n > 500
     assert_healthy(server)
+
+
+def test_chat_prefill_and_its_checks(client):
+    """A last assistant message is continued (llama-server's prefill); two trailing
+    assistant messages, or continue_final_message with add_generation_prompt, are 400s;
+    /chat/completions/input_tokens counts the prompt."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "import o"}]
+    text = client.post("/apply-template", json={"messages": msgs, "add_generation_prompt": False}).json()["prompt"]
+    continued = text[: text.rfind("import o") + len("import o")]  # the turn left open
+    want = client.post("/completion", json={"prompt": continued, "n_predict": 4, "temperature": 0}).json()
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want["content"]
+    bad = [{"messages": msgs + [{"role": "assistant", "content": "x"}]},
+           {"messages": msgs, "add_generation_prompt": True, "continue_final_message": True}]
+    for body in bad:
+        assert client.post("/v1/chat/completions", json=body).status_code == 400, body
+    n = client.post("/chat/completions/input_tokens", json={"messages": msgs[:1]}).json()["input_tokens"]
+    r = client.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 1}).json()
+    assert n == r["usage"]["prompt_tokens"]
