@@ -215,6 +215,30 @@ class GateMiddleware:
         await self.app(scope, receive, send)
 
 
+class HeaderCaseMiddleware:
+    """Response header names as llama-server writes them (``Access-Control-Allow-Origin``,
+    not ``access-control-allow-origin``): HTTP does not care, some clients' lookups do."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_cased(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [(_title(k), v) for k, v in message.get("headers", [])]}
+            await send(message)
+
+        await self.app(scope, receive, send_cased)
+
+
+def _title(name: bytes) -> bytes:
+    return b"-".join(part[:1].upper() + part[1:] for part in name.split(b"-"))
+
+
 class SSEResponse(StreamingResponse):
     """A stream that, however it ends (done, client gone, error), runs ``on_close``
     (cancels the job) and closes its iterator at once."""
@@ -264,6 +288,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     # llama-server's CORS: the caller's origin echoed, credentials allowed
     app.add_middleware(CORSMiddleware, allow_origin_regex=".*", allow_credentials=True,
                        allow_methods=["GET", "POST"], allow_headers=["*"])
+    app.add_middleware(HeaderCaseMiddleware)
 
     # -- errors -----------------------------------------------------------------
 
