@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
     add(g, "--offline", dest="_offline", action="store_true", env="LLAMA_OFFLINE",
         help="this server never downloads anything: always offline")
+    add(g, "-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", metavar="N", dest="_ctx_checkpoints", type=_int,
+        env="LLAMA_ARG_CTX_CHECKPOINTS", help="context checkpoints per slot: none are needed here, the "
+                                              "sliding-window layers keep a whole cache (speculation rolls back)")
     add(g, "--tags", metavar="STRING", dest="_tags", env="LLAMA_ARG_TAGS",
         help="model tags, informational (not used)")
     add(g, "--slots", dest="endpoint_slots", action="store_const", const=True, default=True,
