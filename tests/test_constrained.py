@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from stepmtp import Engine
-from tests.test_server import running
+from tests.test_server import server_fixture
 from stepmtp.models import default_model_path
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -82,11 +82,7 @@ def test_bad_grammar_is_a_value_error(bundled):
 # -- through the server: response_format, json_schema, grammar ---------------------------
 
 
-@pytest.fixture(scope="module")
-def server(bundled, tmp_path_factory):
-    args = ["-m", str(bundled), "--spec-type", "draft-mtp", "-c", "2048", "-np", "2", "-t", "1"]
-    with running(args, tmp_path_factory.mktemp("constrained-server")) as srv:
-        yield srv
+server = server_fixture("bundled", "-c", "2048", "-np", "2")
 
 
 def test_server_response_format_json_schema(server, bundled):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from stepmtp import Engine
-from tests.test_server import running
+from tests.test_server import server_fixture
 from stepmtp.tiny import write_agree_model
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
@@ -67,11 +67,7 @@ def test_probs_streamed_per_token(agree):
 # -- through the server ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(agree, tmp_path_factory):
-    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "2048", "-np", "1", "-t", "1"]
-    with running(args, tmp_path_factory.mktemp("probs-server")) as srv:
-        yield srv
+server = server_fixture("agree", "-c", "2048", "-np", "1")
 
 
 def test_server_native_probs_equal_plain(server, agree):

@@ -113,6 +113,20 @@ def running(args: list[str], log_dir: Path):
         srv.stop()
 
 
+def server_fixture(model_fixture: str, *args: str):
+    """A module-scoped fixture: ``python -m stepmtp.server`` drafting with the MTP heads
+    on the model another fixture gives, with ``args``, on one llama.cpp thread."""
+
+    @pytest.fixture(scope="module")
+    def fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+        model = request.getfixturevalue(model_fixture)
+        argv = ["-m", str(model), "--spec-type", "draft-mtp", "-t", "1", *args]
+        with running(argv, tmp_path_factory.mktemp("server")) as srv:
+            yield srv
+
+    return fixture
+
+
 @pytest.fixture(scope="module")
 def agree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
