@@ -686,3 +686,27 @@ def test_chat_prefill_and_its_checks(client):
     n = client.post("/chat/completions/input_tokens", json={"messages": msgs[:1]}).json()["input_tokens"]
     r = client.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 1}).json()
     assert n == r["usage"]["prompt_tokens"]
+
+
+def test_cors_as_llama_server(server):
+    """A preflight is answered before the API key (browsers send none), with the
+    caller's origin, credentials, GET/POST and any header; other responses carry the
+    origin back too. Header names as llama-server writes them."""
+    import socket
+
+    r = httpx.options(server.url + "/completions", headers={"Origin": "web.mydomain.fr",
+                                                            "Access-Control-Request-Method": "POST"}, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "web.mydomain.fr"
+    assert r.headers["access-control-allow-credentials"] == "true"
+    assert r.headers["access-control-allow-methods"] == "GET, POST"
+    assert r.headers["access-control-allow-headers"] == "*"
+    r = httpx.get(server.url + "/health", headers={"Origin": "localhost"}, timeout=30)
+    assert r.headers["access-control-allow-origin"] == "localhost"
+    host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(b"OPTIONS /completions HTTP/1.1\r\nHost: x\r\nOrigin: o\r\nConnection: close\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(4096):
+            raw += chunk
+    assert b"\r\nAccess-Control-Allow-Origin: o\r\n" in raw

@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
@@ -215,6 +214,39 @@ class GateMiddleware:
         await self.app(scope, receive, send)
 
 
+class CORSMiddleware:
+    """llama-server's CORS, before the API key: every response carries the caller's
+    Origin back; a preflight (OPTIONS, any path) is answered right here, credentials
+    allowed, methods GET and POST, any header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        origin = next((v for k, v in scope.get("headers", []) if k == b"origin"), None)
+        if scope.get("method") == "OPTIONS":
+            headers = [(b"access-control-allow-origin", origin or b""), (b"access-control-allow-credentials", b"true"),
+                       (b"access-control-allow-methods", b"GET, POST"), (b"access-control-allow-headers", b"*"),
+                       (b"content-type", b"text/html"), (b"content-length", b"0")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_origin(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"access-control-allow-origin", origin)]}
+            await send(message)
+
+        await self.app(scope, receive, send_origin)
+
+
 class HeaderCaseMiddleware:
     """Response header names as llama-server writes them (``Access-Control-Allow-Origin``,
     not ``access-control-allow-origin``): HTTP does not care, some clients' lookups do."""
@@ -285,9 +317,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     )
     app.state.stepmtp = st
     app.add_middleware(GateMiddleware, state=st)
-    # llama-server's CORS: the caller's origin echoed, credentials allowed
-    app.add_middleware(CORSMiddleware, allow_origin_regex=".*", allow_credentials=True,
-                       allow_methods=["GET", "POST"], allow_headers=["*"])
+    app.add_middleware(CORSMiddleware)
     app.add_middleware(HeaderCaseMiddleware)
 
     # -- errors -----------------------------------------------------------------
