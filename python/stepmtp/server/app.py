@@ -214,10 +214,12 @@ class GateMiddleware:
         await self.app(scope, receive, send)
 
 
-class CORSMiddleware:
-    """llama-server's CORS, before the API key: every response carries the caller's
-    Origin back; a preflight (OPTIONS, any path) is answered right here, credentials
-    allowed, methods GET and POST, any header."""
+class HeadersMiddleware:
+    """Response headers as llama-server sends them. CORS, before the API key: every
+    response carries the caller's Origin back; a preflight (OPTIONS, any path) is
+    answered right here, credentials allowed, methods GET and POST, any header. And
+    header names in its case (``Access-Control-Allow-Origin``): HTTP does not care,
+    some clients' lookups do."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -231,40 +233,19 @@ class CORSMiddleware:
             headers = [(b"access-control-allow-origin", origin or b""), (b"access-control-allow-credentials", b"true"),
                        (b"access-control-allow-methods", b"GET, POST"), (b"access-control-allow-headers", b"*"),
                        (b"content-type", b"text/html"), (b"content-length", b"0")]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.start", "status": 200, "headers": [(_title(k), v) for k, v in headers]})
             await send({"type": "http.response.body", "body": b""})
             return
-        if origin is None:
-            await self.app(scope, receive, send)
-            return
 
-        async def send_origin(message: Any) -> None:
+        async def send_llama_server_headers(message: Any) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"access-control-allow-origin", origin)]}
+                headers = list(message.get("headers", []))
+                if origin is not None:
+                    headers.append((b"access-control-allow-origin", origin))
+                message = {**message, "headers": [(_title(k), v) for k, v in headers]}
             await send(message)
 
-        await self.app(scope, receive, send_origin)
-
-
-class HeaderCaseMiddleware:
-    """Response header names as llama-server writes them (``Access-Control-Allow-Origin``,
-    not ``access-control-allow-origin``): HTTP does not care, some clients' lookups do."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_cased(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [(_title(k), v) for k, v in message.get("headers", [])]}
-            await send(message)
-
-        await self.app(scope, receive, send_cased)
+        await self.app(scope, receive, send_llama_server_headers)
 
 
 def _title(name: bytes) -> bytes:
@@ -317,8 +298,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     )
     app.state.stepmtp = st
     app.add_middleware(GateMiddleware, state=st)
-    app.add_middleware(CORSMiddleware)
-    app.add_middleware(HeaderCaseMiddleware)
+    app.add_middleware(HeadersMiddleware)
 
     # -- errors -----------------------------------------------------------------
 
