@@ -710,3 +710,13 @@ def test_cors_as_llama_server(server):
         while chunk := s.recv(4096):
             raw += chunk
     assert b"\r\nAccess-Control-Allow-Origin: o\r\n" in raw
+
+
+def test_chat_page(server, agree, tmp_path):
+    """llama-server serves its web UI at / (public); ours is a small chat page over
+    /v1/chat/completions; --no-ui turns it off."""
+    r = httpx.get(server.url + "/", timeout=30)
+    assert r.status_code == 200 and r.text.lstrip().lower().startswith("<!doctype html>")
+    assert "/v1/chat/completions" in r.text and "reasoning_content" in r.text
+    with running(["-m", str(agree), "-c", "512", "-np", "1", "-t", "1", "--no-ui"], tmp_path) as srv:
+        assert httpx.get(srv.url + "/", timeout=30).status_code == 404

@@ -354,6 +354,14 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
     # -- simple routes ------------------------------------------------------------
 
+    @app.get("/", include_in_schema=False)
+    async def ui() -> Response:
+        # a small chat page over /v1/chat/completions (reasoning, streaming, MTP counts)
+        if not cfg.ui:
+            raise StarletteHTTPException(404)
+        return Response((Path(__file__).parent / "static" / "index.html").read_bytes(),
+                        media_type="text/html; charset=utf-8")
+
     @app.get("/health", tags=["server"], summary="200 when ready, 503 while the model loads")
     @app.get("/v1/health", include_in_schema=False)
     async def health() -> Any:

@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, meta, dest, default, what in LIMIT_FLAGS:
         add(g, flag, metavar=meta, dest=dest, type=_int, default=default, help=f"{what} (default: {default})")
 
+    add(g, "--ui", "--webui", dest="ui", action="store_const", const=True, default=True, env="LLAMA_ARG_UI",
+        help="a chat page at / (default: enabled)")
+    add(g, "--no-ui", "--no-webui", dest="ui", action="store_const", const=False, help="no chat page at /")
+
     g = ap.add_argument_group("chat template")
     add(g, "--jinja", dest="use_jinja", action="store_const", const=True, default=True, env="LLAMA_ARG_JINJA",
         help="render the chat template with jinja (default: enabled)")
@@ -301,7 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
         env="LLAMA_ARG_ENDPOINT_SLOTS", help="expose the slots monitoring endpoint (default: enabled)")
     add(g, "--no-slots", dest="endpoint_slots", action="store_const", const=False,
         help="disable the slots monitoring endpoint")
-    add(g, "--no-webui", dest="_no_webui", action="store_true", help="there is no web UI")
     add(g, "-cb", "--cont-batching", dest="_cb", action="store_true", help="one sequence at a time anyway")
     return ap
 
@@ -435,6 +438,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         verbose=a.verbose,
         slot_prompt_similarity=a.slot_prompt_similarity,
         slot_save_path=a.slot_save_path,
+        ui=a.ui,
         cache_ram_mib=a.cache_ram,
         use_jinja=a.use_jinja,
         reasoning_format=a.reasoning_format,

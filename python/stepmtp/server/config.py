@@ -60,6 +60,8 @@ class ServerConfig:
     cache_ram_mib: int = 8192
     #: --slot-save-path: where slot files go (None: slot actions disabled)
     slot_save_path: str | None = None
+    #: --ui / --no-ui: the chat page at /
+    ui: bool = True
     #: --slots / --no-slots: the /slots endpoint
     endpoint_slots: bool = True
     n_threads: int | None = None
