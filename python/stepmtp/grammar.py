@@ -347,12 +347,13 @@ class ConstraintState:
         """The next token's mask as booleans, ``[n_vocab]`` (True: allowed)."""
         return _unpack(self.fill_bitmask(), self.vocab.n_vocab)
 
-    def mask_into(self, logits: np.ndarray) -> None:
+    def mask_into(self, logits: np.ndarray, bits: np.ndarray | None = None) -> None:
         """Set the logits of the tokens the grammar forbids next to -inf, in place.
 
         ``logits``: one row, at least ``n_vocab`` wide (columns past the vocabulary,
-        padding some models carry, are forbidden too)."""
-        _apply(logits, self.fill_bitmask(), self.vocab.n_vocab)
+        padding some models carry, are forbidden too). ``bits``: a mask kept from
+        ``fill_bitmask`` at the same position, instead of this state's."""
+        _apply(logits, self.fill_bitmask() if bits is None else bits, self.vocab.n_vocab)
 
     def allowed(self, token: int) -> bool:
         """Whether the mask allows ``token`` next (computing the mask if this position

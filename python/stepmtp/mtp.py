@@ -208,6 +208,10 @@ class SeqState:
     #: given the tokens before it; drafts too when mask_drafts (grammar-aware drafting)
     constraint: "ConstraintState | None" = None
     mask_drafts: bool = True
+    #: the masks the drafting step computed for depths 0..n_masked-1 of this round:
+    #: the verifier's rows 0..n_masked-1 have the same ones (same prefix, same drafts)
+    draft_bits: np.ndarray | None = None
+    n_masked: int = 0
 
     @property
     def prefilling(self) -> bool:
@@ -231,13 +235,14 @@ def _side_path(path: Path) -> Path:
     return path.with_name(path.name + ".mtp.npz")
 
 
-def _masked(s: SeqState, row: np.ndarray) -> np.ndarray:
+def _masked(s: SeqState, row: np.ndarray, i: int | None = None) -> np.ndarray:
     """``row`` with what the sequence's constraint forbids next at -inf (a copy: the
-    row is a view into llama.cpp's output buffer)."""
+    row is a view into llama.cpp's output buffer). ``i``: the row's depth in this
+    round's verification, whose mask the drafting step may have computed already."""
     if s.constraint is None:
         return row
     row = row.copy()
-    s.constraint.mask_into(row)
+    s.constraint.mask_into(row, s.draft_bits[i] if i is not None and i < s.n_masked else None)
     return row
 
 
@@ -397,6 +402,8 @@ class MTPDriver:
         s.chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
         s.probs = [0.0] * max(1, self.n_draft)
         s.q = np.zeros((max(1, self.n_draft), self.target.n_vocab)) if s.rejection and self.speculate else None
+        if s.constraint is not None and s.mask_drafts and self.speculate:
+            s.draft_bits = np.zeros((max(1, self.n_draft), s.constraint.vocab.n_words), dtype=np.int32)
         if self.fused and self.speculate:
             s.kv_valid = [0] * self.n_heads
             s.kv_end = [0] * self.n_heads
@@ -638,6 +645,7 @@ class MTPDriver:
                     s.steady = min(s.kv_valid[k] for k in self.heads[: s.n_plan]) >= s.pos - self.n_draft
                     self._bound_catch_up(s)
             s.drafts = []
+            s.n_masked = 0
         if self.speculate:
             if self.fused:
                 self._draft_fused(seqs)
@@ -696,16 +704,19 @@ class MTPDriver:
         if s.rejection:
             hist = s.tokens
             p_rows: dict[int, np.ndarray] = {}
+            advanced = 0  # drafts the constraint went through for rows without a kept mask
 
             def p_row(i: int) -> np.ndarray:
-                if c is not None:  # row i is masked given the drafts before it
-                    c.advance(drafts[i - 1]) if i else None
-                p_rows[i] = s.sampler.dense(_masked(s, logits[i]), hist, drafts[:i])
+                nonlocal advanced
+                if c is not None and i >= s.n_masked:  # row i is masked given the drafts before it
+                    c.advance_many(drafts[advanced:i])
+                    advanced = max(advanced, i)
+                p_rows[i] = s.sampler.dense(_masked(s, logits[i], i), hist, drafts[:i])
                 return p_rows[i]
 
             out = verify_rejection(s.sampler, p_row, drafts, s.q[:n])
             if c is not None:
-                c.rollback(max(p_rows) if p_rows else 0)
+                c.rollback(advanced)
                 c.advance_many(out)
             if s.n_probs:
                 # each token was drawn from the target's row for its position
@@ -716,7 +727,7 @@ class MTPDriver:
             for i in range(n + 1):
                 # the sampled tokens are the drafts while they match: the constraint
                 # advances along the accepted prefix only, nothing to roll back
-                row = _masked(s, logits[i])
+                row = _masked(s, logits[i], i)
                 tok = s.sampler.sample(row, s.tokens)
                 if s.n_probs:
                     s.token_probs.append(self._probs(s, logits[i], row, tok))
@@ -930,10 +941,14 @@ class MTPDriver:
         logits = self.draft.logits(s.row)
         h = self.draft.nextn_ith(s.row)
         s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
-        if s.constraint is not None and s.mask_drafts:
+        c = s.constraint
+        if c is not None and s.mask_drafts:
             # grammar-aware drafting: the head only proposes what the grammar allows
-            # after the drafts before it (forced tokens get drafted, and accepted)
-            logits = _masked(s, logits)
+            # after the drafts before it (forced tokens get drafted, and accepted);
+            # the mask is kept for the verifier's row i
+            c.fill_bitmask(out=s.draft_bits[i])
+            s.n_masked = i + 1
+            logits = _masked(s, logits, i)
         if s.rejection:
             # drawn from the head's distribution under the request's settings; q kept
             # for verification
