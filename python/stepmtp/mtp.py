@@ -49,6 +49,7 @@ At temperature 0 the output is token for token what plain greedy decoding gives.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ import numpy as np
 
 from .adaptive import AdaptiveLength, RoundCosts
 from .llama import Batch, Context, KVFullError, LlamaError
-from .prompt_cache import HostPromptCache, Snapshot
+from .prompt_cache import HostPromptCache, SlotState, read_heads, write_heads
 from .sampling import Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
 
@@ -229,10 +230,8 @@ class _Cache:
     kv_valid: list[int]
     anchors: _Anchors | None
     h_log: dict[int, np.ndarray] | None
-
-
-def _side_path(path: Path) -> Path:
-    return path.with_name(path.name + ".mtp.npz")
+    #: when it was last used (the driver's clock): the least recently used goes first
+    used: int = 0
 
 
 def _masked(s: SeqState, row: np.ndarray, i: int | None = None) -> np.ndarray:
@@ -333,6 +332,7 @@ class MTPDriver:
         self._costs = RoundCosts(self.n_draft)
         #: per slot: what its KV holds since its last sequence ended (prompt caching)
         self.cache: list[_Cache | None] = [None] * n_seq
+        self._clock = itertools.count(1)
         #: prompts kept in host memory (cache_ram bytes; None: none kept)
         self.host = HostPromptCache(None if cache_ram < 0 else cache_ram) if cache_ram else None
 
@@ -370,24 +370,25 @@ class MTPDriver:
             raise ValueError("empty prompt")
         if len(prompt) >= self.n_ctx_seq:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context ({self.n_ctx_seq})")
-        c, self.cache[s.seq_id] = self.cache[s.seq_id], None
+        c = self.cache[s.seq_id]
         shared = common_prefix(c.tokens, prompt) if reuse and c is not None else 0
         if reuse and self.host is not None:
             # a prompt kept in host memory that shares more than the slot's own goes
             # back in; the slot's, if it is about to be lost, goes out
             key, n_host = self.host.best(prompt, common_prefix)
             if n_host > shared + self.HOST_MIN_GAIN:
-                self._stash(s.seq_id, c, keep=shared)
-                c = self._unstash(s.seq_id, self.host.take(key))
-                shared = n_host
+                self._stash(s.seq_id, keep=shared)
+                self.load(s.seq_id, self.host.take(key))
+                c, shared = self.cache[s.seq_id], n_host
         # at least the prompt's last token is decoded (its logits give the first
         # token); when speculating, the one before it too: its trunk row anchors the
         # first new position for the heads (trunk rows are not kept, only the KV)
         n_keep = min(shared, len(prompt) - 1)
         if n_keep < 2:
             n_keep = 0
-            self._stash(s.seq_id, c, keep=0)
+            self._stash(s.seq_id, keep=0)
             self.release(s.seq_id)
+        self.cache[s.seq_id] = None  # the slot's KV is the sequence's now
         redo = 1 if self.speculate and n_keep else 0
         s.prompt, s.n_prefilled = list(prompt), n_keep - redo
         s.anchor_from = n_keep
@@ -449,64 +450,65 @@ class MTPDriver:
             s.anchors = None  # the cache owns it now
         else:
             kv_valid, anchors = [n] * self.n_heads, None
-        self.cache[s.seq_id] = _Cache(tokens, kv_valid, anchors, s.h_log)
+        self.cache[s.seq_id] = _Cache(tokens, kv_valid, anchors, s.h_log, next(self._clock))
 
-    # -- a slot's cache to a file and back (llama-server's slot save / restore) ------
+    # -- a slot's cache out of llama.cpp and back (prompt_cache.py) ------------------
+
+    def export(self, seq_id: int, target: bool = True) -> SlotState:
+        """What slot ``seq_id`` holds (its cache), with the target's KV unless the
+        caller saves that itself (``target=False``)."""
+        c = self.cache[seq_id]
+        if c is None:
+            raise ValueError(f"slot {seq_id} holds no prompt")
+        heads = ([self.draft.seq_state(self._dseq_of(seq_id, k)) for k in range(self.n_heads)]
+                 if self.draft is not None else [])
+        A = c.anchors
+        return SlotState(list(c.tokens), self.target.seq_state(seq_id) if target else None, heads,
+                         list(c.kv_valid), (A.start, A.tok[: A.n].copy(), A.h[: A.n].copy()) if A else None)
+
+    def load(self, seq_id: int, st: SlotState) -> None:
+        """Put a state back into slot ``seq_id`` (its target's KV already there when
+        ``st.target`` is None): the next request sharing its prefix reuses it."""
+        if st.target is not None:
+            self.release(seq_id)
+            self.target.set_seq_state(seq_id, st.target)
+        for k, h in enumerate(st.heads):
+            self.draft.set_seq_state(self._dseq_of(seq_id, k), h)
+        A = None
+        if st.anchors is not None and self.fused and self.speculate:
+            start, tok, rows = st.anchors
+            A = _Anchors(self.n_embd, max(2 * self.n_chunk, len(tok)))
+            A.reset(start)
+            if len(tok):
+                A.append(tok, rows)
+        self.cache[seq_id] = _Cache(list(st.tokens), list(st.kv_valid), A, None, next(self._clock))
 
     def save_cache(self, seq_id: int, path: Path) -> tuple[int, int]:
-        """Write what slot ``seq_id`` holds: the target's sequence in llama.cpp's file
-        format, and the heads' (their KV, anchored prefixes, the rows they have not
-        seen) beside it, in ``path.mtp.npz``. (tokens, bytes written)."""
-        c = self.cache[seq_id]
-        if c is None or not c.tokens:
-            raise ValueError(f"slot {seq_id} holds no prompt to save")
-        n = self.target.save_seq_file(path, seq_id, c.tokens)
+        """Slot ``seq_id``'s cache to files: the target's sequence in llama.cpp's
+        format, the heads' beside it. (tokens, bytes written)."""
+        st = self.export(seq_id, target=False)
+        n = self.target.save_seq_file(path, seq_id, st.tokens)
         if self.draft is not None:
-            A = c.anchors
-            side = {f"head{k}": np.frombuffer(self.draft.seq_state(seq_id * self.n_heads + k), dtype=np.uint8)
-                    for k in range(self.n_heads)}
-            side.update(kv_valid=np.array(c.kv_valid, dtype=np.int64), n_tokens=np.array(len(c.tokens)),
-                        anchors_start=np.array(A.start if A else 0),
-                        anchors_tok=A.tok[: A.n] if A else np.zeros(0, np.int32),
-                        anchors_h=A.h[: A.n] if A else np.zeros((0, self.n_embd), np.float32))
-            side_path = _side_path(path)
-            with open(side_path, "wb") as f:
-                np.savez(f, **side)
-            n += side_path.stat().st_size
-        return len(c.tokens), n
+            n += write_heads(path, st, self.n_embd)
+        return len(st.tokens), n
 
     def restore_cache(self, seq_id: int, path: Path) -> tuple[int, int]:
-        """Load a slot file into slot ``seq_id`` (its KV and the heads'), so the next
-        request reuses it. (tokens, bytes read)."""
+        """Slot files back into slot ``seq_id``. (tokens, bytes read)."""
         self.release(seq_id)
         try:
             tokens = self.target.load_seq_file(path, seq_id, self.n_ctx_seq)
             n = path.stat().st_size
-            kv_valid, anchors = [len(tokens)] * self.n_heads, None
+            st = SlotState(tokens, None, [], [len(tokens)] * self.n_heads, None)
             if self.draft is not None:
-                side_path = _side_path(path)
-                if not side_path.is_file():
-                    raise ValueError(f"{path.name} holds no MTP heads' state ({side_path.name}): saved by another "
-                                     "server or without speculation")
-                with np.load(side_path) as z:
-                    if int(z["n_tokens"]) != len(tokens) or len(z["kv_valid"]) != self.n_heads:
-                        raise ValueError(f"{side_path.name} does not belong to {path.name}")
-                    for k in range(self.n_heads):
-                        self.draft.set_seq_state(seq_id * self.n_heads + k, z[f"head{k}"].tobytes())
-                    kv_valid = [int(v) for v in z["kv_valid"]]
-                    if self.fused and self.speculate:
-                        anchors = _Anchors(self.n_embd, max(2 * self.n_chunk, len(z["anchors_tok"])))
-                        anchors.reset(int(z["anchors_start"]))
-                        if len(z["anchors_tok"]):
-                            anchors.append(z["anchors_tok"], z["anchors_h"])
-                n += side_path.stat().st_size
+                st, size = read_heads(path, tokens, self.n_heads)
+                n += size
+            self.load(seq_id, st)
         except BaseException:
             self.release(seq_id)
             raise
-        self.cache[seq_id] = _Cache(tokens, kv_valid, anchors, None)
         return len(tokens), n
 
-    # -- prompts kept in host memory (--cache-ram) ----------------------------------
+    # -- room in a shared cache, host memory (--cache-ram) --------------------------
 
     #: a kept prompt replaces the slot's own only when it shares this many more tokens
     HOST_MIN_GAIN = 16
@@ -514,37 +516,24 @@ class MTPDriver:
     def evict(self, seq_id: int) -> None:
         """Free a slot's KV (a shared cache needs the cells), keeping its prompt in
         host memory when there is a budget for it."""
-        self._stash(seq_id, self.cache[seq_id], keep=0)
+        self._stash(seq_id, keep=0)
         self.release(seq_id)
 
-    def _stash(self, seq_id: int, c: _Cache | None, keep: int) -> None:
-        """Copy a slot's cached state to host memory if more than HOST_MIN_GAIN tokens of
-        it are about to be lost (only ``keep`` of them stay in the slot)."""
-        if self.host is None or c is None or len(c.tokens) - keep <= self.HOST_MIN_GAIN:
-            return
-        heads = ([self.draft.seq_state(seq_id * self.n_heads + k) for k in range(self.n_heads)]
-                 if self.draft is not None else [])
-        A = c.anchors
-        anchors = (A.start, A.tok[: A.n].copy(), A.h[: A.n].copy()) if A is not None else None
-        target = self.target.seq_state(seq_id)
-        nbytes = len(target) + sum(map(len, heads)) + (anchors[1].nbytes + anchors[2].nbytes if anchors else 0)
-        self.host.put(Snapshot(list(c.tokens), (target, heads, list(c.kv_valid), anchors), nbytes))
+    def evict_lru(self) -> bool:
+        """Evict the idle slot whose cache was used longest ago; False when no idle
+        slot holds anything (the slots generating hold no cache: start takes it)."""
+        idle = [i for i, c in enumerate(self.cache) if c is not None]
+        if not idle:
+            return False
+        self.evict(min(idle, key=lambda i: self.cache[i].used))
+        return True
 
-    def _unstash(self, seq_id: int, snap: Snapshot) -> _Cache:
-        """Put a kept prompt back into slot ``seq_id``; its cache."""
-        target, heads, kv_valid, anchors = snap.state
-        self.release(seq_id)
-        self.target.set_seq_state(seq_id, target)
-        for k, h in enumerate(heads):
-            self.draft.set_seq_state(seq_id * self.n_heads + k, h)
-        A = None
-        if anchors is not None:
-            start, tok, hrows = anchors
-            A = _Anchors(self.n_embd, max(2 * self.n_chunk, len(tok)))
-            A.reset(start)
-            if len(tok):
-                A.append(tok, hrows)
-        return _Cache(snap.tokens, kv_valid, A, None)
+    def _stash(self, seq_id: int, keep: int) -> None:
+        """Copy slot ``seq_id``'s cache to host memory if more than HOST_MIN_GAIN of its
+        tokens are about to be lost (only ``keep`` of them stay in the slot)."""
+        c = self.cache[seq_id]
+        if self.host is not None and c is not None and len(c.tokens) - keep > self.HOST_MIN_GAIN:
+            self.host.put(self.export(seq_id))
 
     def cached_tokens(self, seq_id: int) -> list[int]:
         c = self.cache[seq_id]
@@ -556,11 +545,14 @@ class MTPDriver:
         self.target.seq_rm(seq_id)
         if self.draft is not None:
             for k in range(self.n_heads):
-                self.draft.seq_rm(seq_id * self.n_heads + k)
+                self.draft.seq_rm(self._dseq_of(seq_id, k))
 
     def _dseq(self, s: SeqState, k: int) -> int:
         """Head k's sequence in the draft context."""
-        return s.seq_id * self.n_heads + k
+        return self._dseq_of(s.seq_id, k)
+
+    def _dseq_of(self, seq_id: int, k: int) -> int:
+        return seq_id * self.n_heads + k
 
     def prefill(self, s: SeqState) -> bool:
         """Decode the next chunk of the prompt and anchor the heads on it; after the
@@ -570,7 +562,13 @@ class MTPDriver:
         chunk = s.prompt[a : a + min(self.n_chunk, s.chunk_limit)]
         last = a + len(chunk) == n
         self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
-        self._decode(self.target, self.tbatch, [s])
+        while True:
+            try:
+                self._decode(self.target, self.tbatch, [s])
+                break
+            except KVFullError:
+                if not self.evict_lru():  # idle slots' cached prefixes give way first
+                    raise
         if self.speculate:
             h = self.target.nextn(len(chunk))
             self._log_h(s, a, h)
@@ -652,11 +650,16 @@ class MTPDriver:
             else:
                 self._draft(seqs)
 
-        try:
-            return self._verify(seqs)
-        except KVFullError:
-            if len(seqs) == 1:
-                raise
+        while True:
+            try:
+                return self._verify(seqs)
+            except KVFullError:
+                # idle slots' cached prefixes give way first (least recently used)
+                if self.evict_lru():
+                    continue
+                if len(seqs) == 1:
+                    raise
+                break
         # a shared cache without room for every sequence's rows (llama.cpp decoded
         # nothing of the failed batch): each verifies alone, the one holding the most
         # cells first; one that still finds no room fails, and its cells go at once to

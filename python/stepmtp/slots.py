@@ -306,9 +306,9 @@ class Slots:
                 if drv.prefill(r.state):
                     r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
             except KVFullError as e:
-                # as llama-server: idle slots' cached prefixes go first, then smaller
-                # chunks; a prompt that still finds no room fails alone
-                if not self._evict_idle() and not drv.shrink_chunk(r.state):
+                # as llama-server: idle slots' cached prefixes went first (the driver),
+                # then smaller chunks; a prompt that still finds no room fails alone
+                if not drv.shrink_chunk(r.state):
                     r.fail(_context_exceeded(e))
             except LlamaError as e:
                 r.fail(e)
@@ -327,7 +327,6 @@ class Slots:
                 req.state.seq_id = slot
                 self._used[slot] = next(self._clock)
                 try:
-                    self._make_room(len(req.prompt_tokens), slot)
                     self.driver.start(req.state, req.prompt_tokens, reuse=req.cache_prompt)
                 except (ValueError, LlamaError) as e:
                     self.driver.release(slot)
@@ -350,31 +349,6 @@ class Slots:
             if best >= 0 and n_best > self.similarity * len(req.prompt_tokens):
                 return best
         return min(free, key=lambda i: self._used[i])
-
-    def _make_room(self, n_new: int, slot: int) -> None:
-        """With one KV cache shared by the slots, the idle slots' cached prefixes
-        give way (least recently used first) to a prompt that needs their cells."""
-        drv = self.driver
-        if not drv.target.kv_unified:
-            return
-        held = {i: len(drv.cached_tokens(i)) for i in range(self.n) if self.slots[i] is None and i != slot}
-        busy = sum(r.state.pos + drv.n_draft + 2 if not r.state.prefilling else len(r.state.prompt) + drv.n_draft + 2
-                   for r in self.slots if r is not None)
-        free = drv.target.n_ctx - busy - sum(held.values()) - len(drv.cached_tokens(slot))
-        for i in sorted(held, key=lambda i: self._used[i]):
-            if free >= n_new + drv.n_draft + 2:
-                break
-            if held[i]:
-                drv.evict(i)
-                free += held[i]
-
-    def _evict_idle(self) -> bool:
-        """Forget the idle slots' cached prefixes (their cells, in a shared cache);
-        True when there were any."""
-        idle = [i for i in range(self.n) if self.slots[i] is None and self.driver.cached_tokens(i)]
-        for i in idle:
-            self.driver.evict(i)
-        return bool(idle)
 
     def _release_finished(self) -> None:
         for i, r in enumerate(self.slots):
