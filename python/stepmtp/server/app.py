@@ -31,7 +31,6 @@ from ..chat import render_builtin, render_chat as render_chat_text, template_sou
 from ..chat.sandbox import TemplateSandbox
 from ..engine import Completion, Engine, SlotBusy
 from ..sampling import SamplingParams
-from ..chat.step_format import Delta
 from . import anthropic as A
 from . import formats as F
 from .anthropic import to_openai as to_anthropic_openai
@@ -867,7 +866,6 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     async def chat_completions(request: Request) -> Any:
         eng = st.need_engine()
         req = await body(request, ChatCompletionRequest)
-        _check_messages(req.messages)
         if req.unsupported():
             raise bad_request(f"not supported by this server: {', '.join(req.unsupported())}")
         fmt, gens, info = await chat_jobs(eng, req)
@@ -894,10 +892,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         parser = fmt.parser()
 
         def deltas(text: str, final: bool = False) -> list[dict[str, Any]]:
-            if parser is None:
-                return [{"content": text}] if text else []
-            d = parser.feed(text) if text else None
-            out = delta_json(d) if d is not None else []
+            out = delta_json(parser.feed(text)) if text else []
             return out + (delta_json(parser.finish()) if final else [])
 
         def role() -> list[str]:
@@ -918,17 +913,20 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         def on_done(c: Completion) -> list[str]:
             out = role()
             out.extend(F.sse(F.oai_chat_chunk(d, info)) for d in deltas("", final=True))
-            called = parser is not None and bool(parser.message().get("tool_calls"))
-            reason = F.chat_finish_reason(c, {"tool_calls": called})
+            reason = F.chat_finish_reason(c, parser.message())
             out.extend(F.sse(x) for x in F.oai_chat_final_chunks(c, info, include_usage, reason))
             return out
 
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True), job.cancel)
 
+    async def chat_tokens(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, list[int]]:
+        """A chat request's prompt tokens, and how to read its output back."""
+        fmt, text = await chat_prompt(eng, req)
+        return fmt, await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+
     async def chat_jobs(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, list[GenRequest], F.ResultInfo]:
         """A chat request's generations, ready to submit, and how to read them back."""
-        fmt, text = await chat_prompt(eng, req)
-        toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+        fmt, toks = await chat_tokens(eng, req)
         gens, settings = await prepare(eng, req, [toks], stream=req.stream,
                                        grammar=("lark", fmt.grammar) if fmt.grammar else None)
         for g in gens:
@@ -953,7 +951,6 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     async def anthropic_messages(request: Request) -> Any:
         eng = st.need_engine()
         req = await anthropic_request(request)
-        _check_messages(req.messages)
         fmt, gens, info = await chat_jobs(eng, req)
         msg_id = "msg_" + F.completion_id().split("-", 1)[-1]
         if not req.stream:
@@ -971,14 +968,10 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         events = A.Events(info.model, msg_id, len(gens[0].prompt_tokens))
 
         def on_chunk(ch: Any) -> list[str]:
-            if parser is None:
-                return events.feed(Delta(content=ch.text)) if ch.text else events.start()
             return events.feed(parser.feed(ch.text)) if ch.text else events.start()
 
         def on_done(c: Completion) -> list[str]:
-            out = events.feed(parser.finish()) if parser is not None else events.start()
-            msg = parser.message() if parser is not None else {"content": c.text}
-            return out + events.finish(c, msg)
+            return events.feed(parser.finish()) + events.finish(c, parser.message())
 
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
 
@@ -988,19 +981,13 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
               openapi_extra=json_body(ChatCompletionRequest))
     async def chat_input_tokens(request: Request) -> dict[str, int]:
         eng = st.need_engine()
-        req = await body(request, ChatCompletionRequest)
-        _check_messages(req.messages)
-        _, text = await chat_prompt(eng, req)
-        toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+        _, toks = await chat_tokens(eng, await body(request, ChatCompletionRequest))
         return {"input_tokens": len(toks)}
 
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
     async def anthropic_count_tokens(request: Request) -> dict[str, int]:
         eng = st.need_engine()
-        req = await anthropic_request(request)
-        _check_messages(req.messages)
-        _, text = await chat_prompt(eng, req)
-        toks = await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+        _, toks = await chat_tokens(eng, await anthropic_request(request))
         return {"input_tokens": len(toks)}
 
     async def chat_prompt(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str]:
@@ -1038,8 +1025,11 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         if len(msgs) >= 2 and msgs[-1].role == "assistant" and msgs[-2].role == "assistant":
             raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
         # a last assistant message is a prefill (llama-server): the answer continues it
-        prefill = msgs[-1].text() if msgs[-1].role == "assistant" and not (msgs[-1].model_extra or {}).get(
-            "tool_calls") else None
+        try:
+            prefill = msgs[-1].text() if msgs[-1].role == "assistant" and not (msgs[-1].model_extra or {}).get(
+                "tool_calls") else None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
         text = await render_chat(eng, msgs, req.add_generation_prompt and prefill is None, variables)
         if prefill:
             cut = text.rfind(prefill)

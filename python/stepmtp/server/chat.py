@@ -86,17 +86,32 @@ class ChatFormat:
         """llama-server's chat_format name, as generation_settings shows it."""
         return "Step-3.5" if self.step else ("Content-only" if not self.thinking else "Generic (reasoning)")
 
-    def parser(self) -> StepParser | None:
+    def parser(self) -> StepParser | ContentOnly:
         if not (self.step or self.thinking or self.grammar):
-            return None
+            return ContentOnly()
         return StepParser(reasoning_format=self.reasoning_format, thinking=self.thinking, tools=self.tools,
                           parse_tools=self.parse_tools)
 
 
-def message_json(parser: StepParser | None, text: str) -> dict[str, Any]:
+class ContentOnly:
+    """The parser of a format with neither reasoning nor tool calls: all content."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+
+    def feed(self, text: str) -> Delta:
+        self._text.append(text)
+        return Delta(content=text)
+
+    def finish(self) -> Delta:
+        return Delta()
+
+    def message(self) -> dict[str, Any]:
+        return {"content": "".join(self._text), "reasoning_content": None, "tool_calls": []}
+
+
+def message_json(parser: StepParser | ContentOnly, text: str) -> dict[str, Any]:
     """The assistant message of a whole (non-streamed) result."""
-    if parser is None:
-        return {"role": "assistant", "content": text}
     parser.feed(text)
     parser.finish()
     m = parser.message()

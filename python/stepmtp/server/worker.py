@@ -153,10 +153,6 @@ class Worker:
         self._thread.start()
 
     @property
-    def running(self) -> dict[int, Job]:
-        return {jid: job for jid, (job, req) in list(self._active.items()) if req.state.seq_id >= 0}
-
-    @property
     def n_waiting(self) -> int:
         return len(self._waiting)
 
