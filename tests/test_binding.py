@@ -22,6 +22,8 @@ def test_version_and_system_info():
         "0004-mtp-c-api.patch",
         "0005-rpc-lost-server-not-fatal.patch",
         "0006-batch-coupling-check-batch-seqs.patch",
+        "0007-mtp-kv-per-block.patch",
+        "0008-swa-ring-placement.patch",
     ]
     assert "CPU" in info["backend"]
 

@@ -80,6 +80,47 @@ def applied(tree: Path, patch: Path) -> bool:
     return _git_apply(tree, patch, "--check", "--reverse").returncode == 0
 
 
+def _touched(patch: Path) -> set[str]:
+    """The paths a patch reads or writes (its a/ and b/ sides)."""
+    out = set()
+    for line in patch.read_text().splitlines():
+        if line.startswith(("--- a/", "+++ b/")):
+            out.add(line[6:].split("\t", 1)[0])
+    return out
+
+
+def _scratch_copy(tree: Path, patches: list[Path]) -> Path:
+    """The files these patches touch, copied from the tree into a scratch folder."""
+    scratch = Path(tempfile.mkdtemp(prefix=".stepmtp-check-", dir=tree.parent))
+    for rel in set().union(*(_touched(p) for p in patches)):
+        src = tree / rel
+        if src.is_file():
+            (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, scratch / rel)
+    return scratch
+
+
+def series_applies(tree: Path, patches: list[Path]) -> bool:
+    """Whether the patches apply to the tree in order (a later one may need an
+    earlier one's lines), tried on a scratch copy of the files they touch."""
+    scratch = _scratch_copy(tree, patches)
+    try:
+        return all(_git_apply(scratch, p).returncode == 0 for p in patches)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def series_applied(tree: Path, patches: list[Path]) -> bool:
+    """Whether the tree holds exactly these patches, applied in order, on the files
+    they touch: unapplied newest first in a scratch copy of those files (a later patch
+    may edit lines an earlier one added, so each cannot be checked alone)."""
+    scratch = _scratch_copy(tree, patches)
+    try:
+        return all(_git_apply(scratch, p, "--reverse").returncode == 0 for p in reversed(patches))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def apply(tree: Path, patch: Path, reverse: bool = False) -> None:
     r = _git_apply(tree, patch, *(["--reverse"] if reverse else []))
     if r.returncode != 0:
@@ -222,7 +263,7 @@ def ensure(force: bool = False) -> str:
     want = want_stamp()
     if stamp == want:
         # cheap proof that nobody edited the patched files since
-        if all(applied(TREE, APPLIED / name) for name, _ in want["patches"]):
+        if series_applied(TREE, [APPLIED / name for name, _ in want["patches"]]):
             return "up to date"
         raise VendorError(
             f"{TREE} was modified after patching ({diagnose()}); "
@@ -230,7 +271,7 @@ def ensure(force: bool = False) -> str:
         )
     if stamp is None:
         series = patch_series()
-        if series and all(applies(TREE, p) for p in series):
+        if series and series_applies(TREE, series):
             patch_tree(None)  # a pristine tree, e.g. from STEPMTP_LLAMA_TREE copied by hand
             return "patched"
         raise VendorError(
