@@ -51,13 +51,15 @@ def test_chain_caps_draft_length_at_head_count_and_counts_decodes(tiny, greedy_r
     st = out.stats
     assert out.tokens == greedy_reference.tokens
     assert st.n_drafted == 3 * st.n_rounds
-    assert st.n_target_decodes == st.n_rounds + 1
+    # the prompt: its chunks (its last 4 tokens apart, for a context checkpoint)
+    n_chunks = st.n_prompt_target_decodes
+    assert n_chunks == 2 and st.n_target_decodes == st.n_rounds + n_chunks
     if schedule == "reference":
         # per round: 3 draft decodes, 1 target decode, 3 process decodes; + the prompt's
-        assert st.n_draft_decodes == 6 * st.n_rounds + 3
+        assert st.n_draft_decodes == 6 * st.n_rounds + 3 * n_chunks == 6 * st.n_rounds + st.n_prompt_draft_decodes
     else:
         # per round: one decode per head; the prompt rides along with the first ones
-        assert st.n_draft_decodes == 3 * st.n_rounds
+        assert st.n_draft_decodes == 3 * st.n_rounds and st.n_prompt_draft_decodes == 0
 
 
 @pytest.mark.parametrize("schedule", ["fused", "reference"])
@@ -68,7 +70,7 @@ def test_single_mode_loops_head_zero(tiny, greedy_reference, schedule):
     assert out.tokens == greedy_reference.tokens
     assert st.n_drafted == 5 * st.n_rounds
     per_round = 6 if schedule == "reference" else 5  # 5 drafts (+ 1 process)
-    assert st.n_draft_decodes == per_round * st.n_rounds + (schedule == "reference")
+    assert st.n_draft_decodes == per_round * st.n_rounds + (schedule == "reference") * st.n_prompt_target_decodes
 
 
 def test_p_min_and_n_min(tiny, greedy_reference):

@@ -70,7 +70,7 @@ def test_unified_kv_batched_equals_alone(agree):
     kw = dict(mode="chain", n_max=3)
     alone = _alone(agree, PROMPTS, n_predict=48, **kw)
     with Engine(agree, n_ctx=1024, n_parallel=4, kv_unified=True, debug=True, **kw) as eng:
-        assert eng.n_ctx == 1024 and eng.target.kv_unified and eng.draft.n_seq_max == 4 * 3
+        assert eng.n_ctx == 1024 and eng.target.kv_unified and all(d.n_seq_max == 4 and d.kv_unified for d in eng.drafts)
         got = eng.generate_many(PROMPTS, n_predict=48, temperature=0)
     for a, b in zip(got, alone):
         _same(a, b)

@@ -44,6 +44,12 @@ class Engine:
             Default: split (with one slot both are the same cache, and a unified
             one makes llama.cpp check all 256 possible sequences on every decode:
             0.1 ms a decode, a sixth of one on the bundled model).
+        swa_full: a full-size cache for the sliding-window layers (llama-server's
+            ``--swa-full``); default: the window plus one ubatch, as llama-server's.
+        ctx_checkpoints: context checkpoints kept per slot with a trimmed
+            sliding-window cache (llama-server's ``--ctx-checkpoints``): a later
+            prompt that leaves the cached tokens near an earlier prompt's end goes
+            on from there instead of from the start.
         slot_prompt_similarity: a request goes to the free slot whose cached prompt
             shares the most with its own when that is more than this share of it
             (llama-server's ``-sps``), else to the least recently used free slot.
@@ -80,6 +86,8 @@ class Engine:
         rpc: str | Sequence[str] | None = None,
         n_parallel: int = 1,
         kv_unified: bool = False,
+        swa_full: bool = False,
+        ctx_checkpoints: int = 32,
         slot_prompt_similarity: float = 0.1,
         cache_ram_mib: int = 0,
         seed: int = -1,
@@ -98,14 +106,16 @@ class Engine:
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc)
         self.draft_model: Model | None = None
         self.target: Context | None = None
-        self.draft: Context | None = None
+        #: one draft (MTP) context per head, bound to its block (None: a head these
+        #: settings never decode)
+        self.drafts: list[Context | None] = []
         try:
             threads = n_threads or default_threads()
             ctx_kw: dict[str, Any] = dict(
                 n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                 n_threads_batch=n_threads_batch or threads, flash_attn=flash_attn, n_seq_max=n_parallel,
             )
-            self.target = Context(self.model, kv_unified=bool(kv_unified), **ctx_kw)
+            self.target = Context(self.model, kv_unified=bool(kv_unified), swa_full=swa_full, **ctx_kw)
             if self.spec.mode != "none":
                 if mtp_model is not None:
                     ngl = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
@@ -122,16 +132,21 @@ class Engine:
                         )
                 else:
                     self.draft_model = self.model
-                # each head of each slot is a sequence of the draft context (see
-                # MTPDriver), each with a KV stream of its own: in one shared cache every
-                # head's attention would run over all heads' cells, masked (measured:
-                # chain-3 on the tiny model 36% slower)
-                n_dseq = n_parallel * self.draft_model.n_mtp_blocks
-                ctx_kw.update(n_ctx=self.target.n_ctx_seq * n_dseq, n_seq_max=n_dseq)
-                self.draft = Context(self.draft_model, mtp=True, kv_unified=False, **ctx_kw)
+                # a context per head, its KV that head's layer alone, laid out as the
+                # target's (llama-server's one MTP stream holds the same cells)
+                self.draft_model.check_mtp()
+                used = MTPDriver.heads_used(self.spec, self.draft_model.n_mtp_blocks)
+                ctx_kw.update(n_ctx=self.target.n_ctx)
+                self.drafts = [None] * self.draft_model.n_mtp_blocks
+                for k in used:
+                    # a draft decode outputs one row per sequence: a compute buffer
+                    # for that many logits rows, not n_batch
+                    self.drafts[k] = Context(self.draft_model, mtp=True, mtp_block=k, kv_unified=bool(kv_unified),
+                                             swa_full=swa_full, n_outputs_max=n_parallel, **ctx_kw)
             debug = debug or os.environ.get("STEPMTP_DEBUG", "") not in ("", "0")
-            self.driver = MTPDriver(self.target, self.draft, self.spec, n_seq=n_parallel, debug=debug,
-                                    cache_ram=cache_ram_mib << 20 if cache_ram_mib > 0 else cache_ram_mib)
+            self.driver = MTPDriver(self.target, self.drafts, self.spec, n_seq=n_parallel, debug=debug,
+                                    cache_ram=cache_ram_mib << 20 if cache_ram_mib > 0 else cache_ram_mib,
+                                    checkpoints=ctx_checkpoints)
             self.slots = Slots(self.driver, self.model, n_parallel, similarity=slot_prompt_similarity)
         except BaseException:
             self.close()
@@ -146,7 +161,7 @@ class Engine:
             return
         with self._lock:
             self._closed = True
-            for ctx in (self.draft, self.target):
+            for ctx in (*self.drafts, self.target):
                 if ctx is not None:
                     ctx.close()
             if self.draft_model is not None and self.draft_model is not self.model:
@@ -174,6 +189,12 @@ class Engine:
         self.close()
 
     # -- text -------------------------------------------------------------------
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes in llama.cpp's buffers, as it accounts them: ``target`` and ``draft``
+        (all heads' contexts), each ``kv`` (KV cache), ``compute``, ``output``."""
+        self._check_open()
+        return self.driver.memory()
 
     @property
     def n_ctx(self) -> int:

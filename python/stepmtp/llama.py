@@ -191,6 +191,8 @@ class Model(_Closing):
 
         self.n_vocab: int = lib.llama_vocab_n_tokens(self._vocab)
         self.n_embd: int = lib.llama_model_n_embd(ptr)
+        #: the sliding window of its sliding-window layers (0: none)
+        self.n_swa: int = lib.llama_model_n_swa(ptr)
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
         #: MTP blocks the file declares, and how many of them it carries weights for
         #: (0 for a trunk-only file of a split pair).
@@ -227,6 +229,17 @@ class Model(_Closing):
             self._ptr = ffi.NULL
 
     # -- metadata -------------------------------------------------------------
+
+    def check_mtp(self) -> None:
+        """LlamaError naming what is missing unless the model carries its MTP heads."""
+        if self.has_mtp:
+            return
+        if self.n_mtp_blocks == 0:
+            raise LlamaError(f"{self.path}: the model has no MTP blocks")
+        raise LlamaError(
+            f"{self.path}: declares {self.n_mtp_blocks} MTP blocks but carries weights for "
+            f"{self.n_mtp_blocks_loaded} (a trunk-only file? load the MTP file as the draft model)"
+        )
 
     @property
     def has_mtp(self) -> bool:
@@ -432,12 +445,21 @@ class Context(_Closing):
         n_ctx: context size in tokens (0: the model's training context).
         n_batch, n_ubatch: logical and physical batch sizes, as llama.cpp's -b / -ub.
         n_seq_max: number of sequences (parallel slots).
+        n_outputs_max: most outputs (logits rows) one ubatch asks for, which sizes the
+            compute buffer the context reserves (0: n_batch). A draft context asks
+            for one row per sequence: with a 128k vocabulary the difference is a
+            quarter of a GiB per context.
         n_threads, n_threads_batch: CPU threads for single-token and batch decodes
             (default: every CPU this process may use).
         mtp: an MTP (draft) context, running one of the model's MTP blocks per decode.
-        swa_full: keep the full sliding-window cache. On by default: speculative
-            decoding rolls the cache back, which needs cells a trimmed cache may
-            already have overwritten.
+        mtp_block: an MTP context bound to this block: it runs that block only and its
+            KV holds that block's layer alone (None: every block's layer, the block
+            chosen per decode through ``mtp_offset``).
+        swa_full: keep a full-size sliding-window cache (llama-server's ``--swa-full``).
+            Off by default, as in llama-server: sliding-window layers keep the window
+            plus one ubatch of cells. Rolling back speculative rows stays exact as
+            long as every decode carrying rows that may be removed fits one ubatch
+            (the cells such a decode overwrites are masked for every later position).
         flash_attn: True, False, or None (llama.cpp decides).
         type_k, type_v: KV cache types, as llama.cpp's -ctk / -ctv ("f16", "f32",
             "bf16", "q8_0", "q4_0"; quantized V needs flash attention).
@@ -451,10 +473,12 @@ class Context(_Closing):
         n_batch: int = 2048,
         n_ubatch: int = 512,
         n_seq_max: int = 1,
+        n_outputs_max: int = 0,
         n_threads: int | None = None,
         n_threads_batch: int | None = None,
         mtp: bool = False,
-        swa_full: bool = True,
+        mtp_block: int | None = None,
+        swa_full: bool = False,
         kv_unified: bool = True,
         flash_attn: bool | None = None,
         type_k: str = "f16",
@@ -462,13 +486,8 @@ class Context(_Closing):
     ) -> None:
         self.model = model
         self._ptr = ffi.NULL
-        if mtp and not model.has_mtp:
-            if model.n_mtp_blocks == 0:
-                raise LlamaError(f"{model.path}: the model has no MTP blocks")
-            raise LlamaError(
-                f"{model.path}: declares {model.n_mtp_blocks} MTP blocks but carries weights for "
-                f"{model.n_mtp_blocks_loaded} (a trunk-only file? load the MTP file as the draft model)"
-            )
+        if mtp:
+            model.check_mtp()
         if n_ubatch > n_batch:
             n_ubatch = n_batch
         params = lib.llama_context_default_params()
@@ -476,11 +495,17 @@ class Context(_Closing):
         params.n_batch = n_batch
         params.n_ubatch = n_ubatch
         params.n_seq_max = n_seq_max
+        params.n_outputs_max = n_outputs_max
         threads = n_threads or default_threads()
         params.n_threads = threads
         params.n_threads_batch = n_threads_batch or threads
         params.ctx_type = lib.LLAMA_CONTEXT_TYPE_MTP if mtp else lib.LLAMA_CONTEXT_TYPE_DEFAULT
         params.swa_full = swa_full
+        if mtp_block is not None:
+            if not mtp or not 0 <= mtp_block < model.n_mtp_blocks:
+                raise ValueError(f"mtp_block {mtp_block}: needs an MTP context and a block in "
+                                 f"[0, {model.n_mtp_blocks})")
+            params.mtp_kv_block = mtp_block
         params.kv_unified = kv_unified
         params.no_perf = True
         params.flash_attn_type = {
@@ -501,6 +526,8 @@ class Context(_Closing):
         self._ptr = ptr
         self._mem_ptr = lib.llama_get_memory(ptr)
         self.is_mtp = mtp
+        self.mtp_block = mtp_block
+        self.swa_full = swa_full
         self.n_ctx: int = lib.llama_n_ctx(ptr)
         self.n_batch: int = lib.llama_n_batch(ptr)
         self.n_ubatch: int = lib.llama_n_ubatch(ptr)
@@ -508,6 +535,19 @@ class Context(_Closing):
         #: positions one sequence can hold: n_ctx, or n_ctx / n_seq_max with per-sequence KV
         self.n_ctx_seq: int = lib.llama_n_ctx_seq(ptr)
         self.kv_unified = kv_unified
+        #: rows of one sequence a decode may carry for a trimmed sliding-window cache to
+        #: place each by its position (patch 0008: regions of R cells, one per sequence
+        #: of a unified cache; R - n_swa rows fit beyond the window): the cache's size
+        #: as llama_kv_cache_iswa computes it
+        self.swa_rows: int = 1 << 30
+        #: the cells of a sequence's region in that cache (R): position p overwrites
+        #: p - R only
+        self.swa_region: int = 1 << 30
+        if model.n_swa > 0 and not swa_full:
+            n_reg = self.n_seq_max if kv_unified else 1
+            cells = -(-min(self.n_ctx_seq, model.n_swa * n_reg + self.n_ubatch) // 256) * 256
+            self.swa_region = cells // n_reg
+            self.swa_rows = max(1, self.swa_region - model.n_swa)
         self.n_vocab = model.n_vocab
         self.n_embd = model.n_embd
         self._nextn = (False, False)
@@ -622,6 +662,13 @@ class Context(_Closing):
 
     # -- KV cache -------------------------------------------------------------
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this context holds, as llama.cpp accounts them: ``kv`` (the KV
+        cache), ``compute`` (graph buffers), ``output`` (logits and embeddings)."""
+        kv, compute, output = ffi.new("size_t *"), ffi.new("size_t *"), ffi.new("size_t *")
+        lib.llama_mtp_context_memory(self.ptr, kv, compute, output)
+        return {"kv": int(kv[0]), "compute": int(compute[0]), "output": int(output[0])}
+
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
         """Forget positions [p0, p1) of a sequence (p1 = -1: to the end)."""
         if not lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
@@ -629,15 +676,19 @@ class Context(_Closing):
 
     # -- a sequence's state (its KV), to files and back ----------------------------
 
-    def seq_state(self, seq: int) -> bytes:
-        """The sequence's KV as llama.cpp serialises it."""
-        n = lib.llama_state_seq_get_size(self.ptr, seq)
+    def seq_state(self, seq: int, *, swa_only: bool = False) -> bytes:
+        """The sequence's KV as llama.cpp serialises it; ``swa_only``: the
+        sliding-window layers' cells alone (a context checkpoint: what cannot be
+        rebuilt by removing positions from the full-attention layers)."""
+        flags = 1 if swa_only else 0  # LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+        n = lib.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         buf = ffi.new("uint8_t[]", max(1, n))
-        got = lib.llama_state_seq_get_data(self.ptr, buf, n, seq)
+        got = lib.llama_state_seq_get_data_ext(self.ptr, buf, n, seq, flags)
         return ffi.buffer(buf, got)[:]
 
-    def set_seq_state(self, seq: int, data: bytes) -> None:
-        if not lib.llama_state_seq_set_data(self.ptr, data, len(data), seq):
+    def set_seq_state(self, seq: int, data: bytes, *, swa_only: bool = False) -> None:
+        flags = 1 if swa_only else 0
+        if not lib.llama_state_seq_set_data_ext(self.ptr, data, len(data), seq, flags):
             raise LlamaError(f"could not load a sequence state of {len(data)} bytes into sequence {seq}")
 
     def save_seq_file(self, path: str | os.PathLike[str], seq: int, tokens: Sequence[int]) -> int:

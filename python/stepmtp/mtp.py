@@ -7,8 +7,8 @@ Two contexts over the same weights (or a split pair of files):
 
 * the *target* context decodes the trunk and returns, besides logits, ``h_tgt(p)``:
   the trunk's last hidden row at each position, before the output norm;
-* the *draft* context (an MTP context) runs one appended MTP block per decode; the
-  block is chosen by the context's MTP layer offset, so each head keeps its own KV.
+* the *draft* contexts (MTP contexts), one per head: head k's runs appended MTP
+  block k and its KV holds that block's layer alone.
 
 State of a sequence (``SeqState``): ``id_last``, the last sampled token, not yet
 decoded by the target, at position ``pos``; and ``pending_h``, the trunk hidden row
@@ -46,6 +46,18 @@ all, and catches up on every row it missed the next time it is used. Per round: 
 decode per head used, plus the target's.
 
 At temperature 0 the output is token for token what plain greedy decoding gives.
+
+Sliding-window layers keep llama-server's cache (the window plus one ubatch of
+cells, unless ``swa_full``), which our patch 0008 fills by position: position p of a
+sequence goes to cell p mod R of the sequence's region of R cells. Rows written, taken
+back and written again land where one-row-at-a-time decoding puts them (attention
+sums in cell order: the same logits), and p overwrites only p - R, outside every
+window still needed, as long as a decode carries at most R - n_swa rows of a sequence
+(``Context.swa_rows``; the chunks here stay within it). A sequence's cells then
+always hold every position from the oldest one kept (``seq_pos_min``) on, so a cached
+prompt (prompt caching) can go on from P exactly when P's window starts there or later:
+P - n_swa + 1 >= seq_pos_min; from further back, from a *context checkpoint*: the
+sliding-window cells saved near a prompt's end.
 """
 from __future__ import annotations
 
@@ -59,7 +71,7 @@ import numpy as np
 
 from .adaptive import AdaptiveLength, RoundCosts
 from .llama import Batch, Context, KVFullError, LlamaError
-from .prompt_cache import HostPromptCache, SlotState, read_heads, write_heads
+from .prompt_cache import Checkpoint, HostPromptCache, SlotState, heads_path, read_heads, write_heads
 from .sampling import Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
 
@@ -189,6 +201,9 @@ class SeqState:
     h_log: dict[int, np.ndarray] | None = None
     #: debug mode: one RoundTrace per round
     trace: list["RoundTrace"] | None = None
+    #: trimmed sliding-window cache: checkpoints of the target's sliding-window cells,
+    #: for a later prompt to go on from further back than the cells reach
+    checkpoints: list["Checkpoint"] = field(default_factory=list)
     # the current round: its draft length, drafts, their probabilities, the heads'
     # output rows (out_0 .. out_{n-1}), the distributions drafts were drawn from
     # (rejection), and the batch row of the sequence's output in the last draft decode
@@ -232,6 +247,8 @@ class _Cache:
     h_log: dict[int, np.ndarray] | None
     #: when it was last used (the driver's clock): the least recently used goes first
     used: int = 0
+    #: SeqState.checkpoints, of the sequence that left this cache
+    checkpoints: list["Checkpoint"] = field(default_factory=list)
 
 
 def _masked(s: SeqState, row: np.ndarray, i: int | None = None) -> np.ndarray:
@@ -281,31 +298,50 @@ class MTPDriver:
     each sequence's ``[id_last, drafts..]``, one draft decode per step carries each
     still-drafting sequence's rows. ``n_seq`` sequences may be in flight.
 
-    In the draft context each head of each sequence is a sequence of its own
-    (``seq_id * n_heads + k``): a head's KV lives in its own block's layer, and with
-    its own cells one head can be rewound and caught up without touching another's.
-    The draft context needs ``n_seq * n_heads`` sequences and as many times the
-    positions, best as one KV stream per sequence (a head's attention then runs over
-    its own cells only; llama.cpp splits a decode whose sequences carry different
-    row counts into several ubatches, the price of batching there).
+    Each head has a draft context of its own (``drafts[k]``, bound to block k, its
+    KV that block's layer alone); a sequence is the same sequence id in every
+    context. With its own cells one head can be rewound and caught up without
+    touching another's. Only the heads the settings decode need a context
+    (``heads_used``); the others may be None.
 
-    ``draft`` may be None for ``mode="none"``. ``debug`` checks the invariant
+    ``drafts`` may be None for ``mode="none"``. ``debug`` checks the invariant
     ``pending_h == h_tgt(pos(id_last) - 1)`` every round (it keeps every trunk row).
+    ``checkpoints``: context checkpoints kept per slot (llama-server's
+    ``--ctx-checkpoints``), with a trimmed sliding-window cache.
     """
 
-    def __init__(self, target: Context, draft: Context | None, spec: SpecConfig, *,
-                 n_seq: int = 1, debug: bool = False, cache_ram: int = 0) -> None:
+    #: where a prompt's decodes stop for a context checkpoint: this many tokens before
+    #: its end (llama-server's are 4 and 4 + n_ubatch). A next prompt that shares the
+    #: whole prompt goes on from the one 4 before the end (the prompt's last tokens are
+    #: decoded again: their logits and, speculating, a trunk row are needed); one that
+    #: leaves it a little earlier (a chat template renders the previous answer's
+    #: opening otherwise than the generation prompt before it) from the other
+    CHECKPOINT_OFFSETS = (32, 4)
+
+    @staticmethod
+    def heads_used(spec: SpecConfig, n_heads: int) -> list[int]:
+        """The heads a driver with these settings decodes: the first n_draft when
+        chaining (every head with the reference schedule, which re-anchors all of
+        them each round), head 0 alone in single mode, none without speculation."""
+        if spec.mode == "none" or spec.n_max == 0 or n_heads == 0:
+            return []
+        if spec.mode == "single":
+            return [0]
+        if spec.schedule == "reference":
+            return list(range(n_heads))
+        return list(range(min(spec.draft_length(n_heads), n_heads)))
+
+    def __init__(self, target: Context, drafts: "list[Context | None] | None", spec: SpecConfig, *,
+                 n_seq: int = 1, debug: bool = False, cache_ram: int = 0, checkpoints: int = 32) -> None:
         self.target = target
-        self.draft = draft
+        self.drafts: list[Context | None] = list(drafts or [])
         self.spec = spec
         self.debug = debug
         self.speculate = spec.mode != "none" and spec.n_max > 0
-        if self.speculate and draft is None:
-            raise ValueError("speculation needs a draft (MTP) context")
-        self.n_heads = draft.model.n_mtp_blocks if draft is not None else 0
-        if draft is not None and draft.n_seq_max < n_seq * self.n_heads:
-            raise ValueError(f"the draft context needs {n_seq * self.n_heads} sequences (one per head per "
-                             f"sequence), it has {draft.n_seq_max}")
+        live = [d for d in self.drafts if d is not None]
+        if self.speculate and not live:
+            raise ValueError("speculation needs the draft (MTP) contexts")
+        self.n_heads = live[0].model.n_mtp_blocks if live else 0
         self.n_draft = spec.draft_length(self.n_heads) if self.speculate else 0
         self.fused = spec.schedule == "fused"
         # the heads a round can use: the first n_draft when chaining, head 0 alone when
@@ -313,19 +349,30 @@ class MTPDriver:
         self.heads = list(range(min(self.n_draft, self.n_heads))) if spec.mode == "chain" else [0]
         # the change's schedule re-anchors every head, used or not, each round
         self.process_heads = list(range(self.n_heads)) if spec.mode == "chain" else [0]
+        for k in self.heads_used(spec, self.n_heads) if self.speculate else []:
+            d = self.drafts[k] if k < len(self.drafts) else None
+            if d is None or d.mtp_block not in (None, k):
+                raise ValueError(f"head {k} needs a draft context bound to block {k}")
+            if d.n_seq_max < n_seq:
+                raise ValueError(f"head {k}'s draft context has {d.n_seq_max} sequences, {n_seq} needed")
         self.n_embd = target.n_embd
-        self.n_chunk = target.n_batch if draft is None else min(target.n_batch, draft.n_batch)
+        # a decode's rows per sequence stay within what a trimmed sliding-window cache
+        # places by position (see the module's docstring)
+        self.n_chunk = min([target.n_batch, target.swa_rows] + [min(d.n_batch, d.swa_rows) for d in live])
+        self.swa_trimmed = target.model.n_swa > 0 and not target.swa_full
+        self.n_checkpoints = checkpoints if self.swa_trimmed else 0
         # rows one sequence may put in a shared decode: every sequence's rows must fit
         self.n_rows_seq = self.n_chunk // n_seq
         if self.n_rows_seq <= self.n_draft + 1:
             raise ValueError(f"n_batch ({self.n_chunk}) must exceed {n_seq} x (draft length + 2)")
         self.n_ctx_seq = target.n_ctx_seq
         self.tbatch = Batch(self.n_chunk)
-        self.dbatch = Batch(self.n_chunk, n_embd=self.n_embd) if draft is not None else None
+        self.dbatch = Batch(self.n_chunk, n_embd=self.n_embd) if live else None
         # unmasked: a hidden row for every batch row (the prompt's rows are not outputs)
         target.set_nextn(self.speculate, masked=False)
-        if draft is not None:
-            draft.set_nextn(True, masked=True)
+        for d in live:
+            d.set_nextn(True, masked=True)
+        self._dlast: Context | None = None  # the draft context of the last draft decode
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
         self._need_p = spec.p_min > 0 or debug
         # adaptive length: the cost of a round of each length, shared by the sequences
@@ -346,9 +393,8 @@ class MTPDriver:
         dt = (time.perf_counter() - t0) * 1e3
         target = ctx is self.target
         if len(seqs) > 1:
-            # rows per sequence, once per decode (a draft row's sequence is seq * n_heads + k)
-            owner = batch.seq[: batch.n] // (1 if target else self.n_heads)
-            per_seq = np.bincount(owner, minlength=max(s.seq_id for s in seqs) + 1)
+            # rows per sequence, once per decode
+            per_seq = np.bincount(batch.seq[: batch.n], minlength=max(s.seq_id for s in seqs) + 1)
         for s in seqs:
             st = s.stats
             st.t_llama_ms += dt
@@ -356,9 +402,24 @@ class MTPDriver:
             if target:
                 st.n_target_decodes += 1
                 st.n_target_rows += rows
+                st.n_prompt_target_decodes += s.prefilling
             else:
                 st.n_draft_decodes += 1
                 st.n_draft_rows += rows
+                st.n_prompt_draft_decodes += s.prefilling
+
+    def _decode_draft(self, d: Context, batch: Batch, seqs: list[SeqState]) -> None:
+        """A draft-context decode; a full cache first evicts idle slots' prefixes (a
+        head's cells are as many as the target's: it fills up with it). KVFullError
+        when still full: the callers treat the heads as best effort (a round drafts
+        less, a head loses its KV and starts over), the target decides who fails."""
+        while True:
+            try:
+                self._decode(d, batch, seqs)
+                return
+            except KVFullError:
+                if not self.evict_lru():
+                    raise
 
     # -- bootstrap --------------------------------------------------------------
 
@@ -383,14 +444,25 @@ class MTPDriver:
         # at least the prompt's last token is decoded (its logits give the first
         # token); when speculating, the one before it too: its trunk row anchors the
         # first new position for the heads (trunk rows are not kept, only the KV)
+        redo = 1 if self.speculate else 0
         n_keep = min(shared, len(prompt) - 1)
+        ck = None
+        n_swa = self.target.model.n_swa
+        if n_keep >= 2 and self.swa_trimmed and \
+                max(0, n_keep - redo - n_swa + 1) < self.target.seq_pos_min(s.seq_id):
+            # the window before the first position to decode may be overwritten: go
+            # on from the checkpoint that reaches furthest, or from the start
+            reach, ck = max(((x.reach(n_keep - redo), x) for x in c.checkpoints),
+                            key=lambda t: t[0], default=(-1, None))
+            n_keep = reach + redo if reach >= 1 else 0
         if n_keep < 2:
             n_keep = 0
             self._stash(s.seq_id, keep=0)
             self.release(s.seq_id)
         self.cache[s.seq_id] = None  # the slot's KV is the sequence's now
-        redo = 1 if self.speculate and n_keep else 0
+        redo = redo if n_keep else 0
         s.prompt, s.n_prefilled = list(prompt), n_keep - redo
+        s.checkpoints = []
         s.anchor_from = n_keep
         s.tokens = list(prompt)
         s.pos, s.id_last = 0, -1
@@ -411,19 +483,26 @@ class MTPDriver:
             s.anchors = s.anchors or _Anchors(self.n_embd, 2 * self.n_chunk)
             s.anchors.reset()
         if n_keep:
-            self._reuse(s, c, n_keep)
+            self._reuse(s, c, n_keep, ck)
 
-    def _reuse(self, s: SeqState, c: _Cache, n_keep: int) -> None:
+    def _reuse(self, s: SeqState, c: _Cache, n_keep: int, ck: Checkpoint | None) -> None:
         """Keep the cached KV of positions [0, n_keep) (the target decodes from
-        n_prefilled on, the heads go on from n_keep)."""
-        self.target.seq_rm(s.seq_id, s.n_prefilled)
+        n_prefilled on, the heads go on from n_keep), the target's sliding-window
+        cells from checkpoint ``ck`` if given."""
+        p = s.n_prefilled
+        self.target.seq_rm(s.seq_id, p)
+        if ck is not None:
+            self.target.set_seq_state(s.seq_id, ck.data, swa_only=True)
+            self.target.seq_rm(s.seq_id, p)
+        # those that saw other tokens at p go
+        s.checkpoints = [x for x in c.checkpoints if x.q < p]
         if s.h_log is not None and c.h_log is not None:
-            s.h_log = {p: h for p, h in c.h_log.items() if p < s.n_prefilled}
-        if self.draft is None:
-            return
-        for k in range(self.n_heads):
+            s.h_log = {q: h for q, h in c.h_log.items() if q < p}
+        for k, d in self._live():
+            # a head's sliding-window cells before n_keep may be overwritten: a hole in
+            # its KV makes its drafts worse for a window's length, never wrong
             valid = min(c.kv_valid[k], n_keep)
-            self.draft.seq_rm(self._dseq(s, k), valid)
+            d.seq_rm(s.seq_id, valid)
             if self.fused and self.speculate:
                 s.kv_valid[k] = s.kv_end[k] = valid
         if self.fused and self.speculate and c.anchors is not None:
@@ -450,7 +529,8 @@ class MTPDriver:
             s.anchors = None  # the cache owns it now
         else:
             kv_valid, anchors = [n] * self.n_heads, None
-        self.cache[s.seq_id] = _Cache(tokens, kv_valid, anchors, s.h_log, next(self._clock))
+        self.cache[s.seq_id] = _Cache(tokens, kv_valid, anchors, s.h_log, next(self._clock),
+                                      s.checkpoints)
 
     # -- a slot's cache out of llama.cpp and back (prompt_cache.py) ------------------
 
@@ -460,11 +540,11 @@ class MTPDriver:
         c = self.cache[seq_id]
         if c is None:
             raise ValueError(f"slot {seq_id} holds no prompt")
-        heads = ([self.draft.seq_state(self._dseq_of(seq_id, k)) for k in range(self.n_heads)]
-                 if self.draft is not None else [])
+        heads = [d.seq_state(seq_id) if d is not None else b"" for d in self.drafts]
         A = c.anchors
         return SlotState(list(c.tokens), self.target.seq_state(seq_id) if target else None, heads,
-                         list(c.kv_valid), (A.start, A.tok[: A.n].copy(), A.h[: A.n].copy()) if A else None)
+                         list(c.kv_valid), (A.start, A.tok[: A.n].copy(), A.h[: A.n].copy()) if A else None,
+                         list(c.checkpoints))
 
     def load(self, seq_id: int, st: SlotState) -> None:
         """Put a state back into slot ``seq_id`` (its target's KV already there when
@@ -473,7 +553,8 @@ class MTPDriver:
             self.release(seq_id)
             self.target.set_seq_state(seq_id, st.target)
         for k, h in enumerate(st.heads):
-            self.draft.set_seq_state(self._dseq_of(seq_id, k), h)
+            if h and k < len(self.drafts) and self.drafts[k] is not None:
+                self.drafts[k].set_seq_state(seq_id, h)
         A = None
         if st.anchors is not None and self.fused and self.speculate:
             start, tok, rows = st.anchors
@@ -481,14 +562,15 @@ class MTPDriver:
             A.reset(start)
             if len(tok):
                 A.append(tok, rows)
-        self.cache[seq_id] = _Cache(list(st.tokens), list(st.kv_valid), A, None, next(self._clock))
+        self.cache[seq_id] = _Cache(list(st.tokens), list(st.kv_valid), A, None, next(self._clock),
+                                    list(st.checkpoints))
 
     def save_cache(self, seq_id: int, path: Path) -> tuple[int, int]:
         """Slot ``seq_id``'s cache to files: the target's sequence in llama.cpp's
         format, the heads' beside it. (tokens, bytes written)."""
         st = self.export(seq_id, target=False)
         n = self.target.save_seq_file(path, seq_id, st.tokens)
-        if self.draft is not None:
+        if self._live() or st.checkpoints:
             n += write_heads(path, st, self.n_embd)
         return len(st.tokens), n
 
@@ -499,8 +581,8 @@ class MTPDriver:
             tokens = self.target.load_seq_file(path, seq_id, self.n_ctx_seq)
             n = path.stat().st_size
             st = SlotState(tokens, None, [], [len(tokens)] * self.n_heads, None)
-            if self.draft is not None:
-                st, size = read_heads(path, tokens, self.n_heads)
+            if self._live() or heads_path(path).is_file():
+                st, size = read_heads(path, tokens, self.n_heads, need_heads=bool(self._live()))
                 n += size
             self.load(seq_id, st)
         except BaseException:
@@ -543,23 +625,32 @@ class MTPDriver:
         """Forget a sequence's KV in both contexts (every head's), and its cache."""
         self.cache[seq_id] = None
         self.target.seq_rm(seq_id)
-        if self.draft is not None:
-            for k in range(self.n_heads):
-                self.draft.seq_rm(self._dseq_of(seq_id, k))
+        for _, d in self._live():
+            d.seq_rm(seq_id)
 
-    def _dseq(self, s: SeqState, k: int) -> int:
-        """Head k's sequence in the draft context."""
-        return self._dseq_of(s.seq_id, k)
+    def _live(self) -> list[tuple[int, Context]]:
+        """(head, its draft context) for the heads that have one."""
+        return [(k, d) for k, d in enumerate(self.drafts) if d is not None]
 
-    def _dseq_of(self, seq_id: int, k: int) -> int:
-        return seq_id * self.n_heads + k
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes held in llama.cpp, as it accounts them (``Context.memory``): the
+        target's, and the draft contexts' together."""
+        draft = {"kv": 0, "compute": 0, "output": 0}
+        for _, d in self._live():
+            for key, v in d.memory().items():
+                draft[key] += v
+        return {"target": self.target.memory(), "draft": draft}
 
     def prefill(self, s: SeqState) -> bool:
         """Decode the next chunk of the prompt and anchor the heads on it; after the
         last chunk, sample the first token. True when done."""
         t0 = time.perf_counter()
         a, n = s.n_prefilled, len(s.prompt)
-        chunk = s.prompt[a : a + min(self.n_chunk, s.chunk_limit)]
+        size = min(self.n_chunk, s.chunk_limit)
+        for off in self.CHECKPOINT_OFFSETS if self.n_checkpoints else ():
+            if a < n - off < a + size:
+                size = n - off - a
+        chunk = s.prompt[a : a + size]
         last = a + len(chunk) == n
         self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
         while True:
@@ -569,6 +660,11 @@ class MTPDriver:
             except KVFullError:
                 if not self.evict_lru():  # idle slots' cached prefixes give way first
                     raise
+        end = a + len(chunk)
+        if self.n_checkpoints and n - end in self.CHECKPOINT_OFFSETS and end >= 2 and \
+                not any(x.q == end - 1 for x in s.checkpoints):
+            s.checkpoints.append(Checkpoint(end - 1, self.target.seq_state(s.seq_id, swa_only=True)))
+            del s.checkpoints[: -self.n_checkpoints]
         if self.speculate:
             h = self.target.nextn(len(chunk))
             self._log_h(s, a, h)
@@ -670,6 +766,8 @@ class MTPDriver:
                 outs[id(s)] = self._verify([s])[0]
             except KVFullError as e:
                 self.target.seq_rm(s.seq_id)
+                for _, d in self._live():
+                    d.seq_rm(s.seq_id)
                 outs[id(s)] = e
         return [outs[id(s)] for s in seqs]
 
@@ -754,8 +852,8 @@ class MTPDriver:
         if s.policy is not None:
             s.policy.observe(n, a, s.steady)
         if s.trace is not None:
-            cells = [(self.draft.seq_pos_min(self._dseq(s, k)), self.draft.seq_pos_max(self._dseq(s, k)))
-                     for k in range(self.n_heads)]
+            cells = [(d.seq_pos_min(s.seq_id), d.seq_pos_max(s.seq_id)) if d is not None else (-1, -1)
+                     for d in self.drafts]
             s.trace.append(RoundTrace(r, list(drafts), s.probs[:n], a, out, cells, list(s.kv_valid)))
         return out
 
@@ -786,50 +884,55 @@ class MTPDriver:
     def _draft(self, seqs: list[SeqState]) -> None:
         """Up to n_plan draft tokens per sequence from the heads (chained, or head 0
         looped)."""
-        d, b = self.draft, self.dbatch
+        b = self.dbatch
         for i in range(self.n_draft):
             active = self._drafting(seqs, i)
             if not active:
                 break
             b.clear()
+            # chain: head i has no KV past r, it decodes the whole prefix with the
+            # previous heads' output rows as its hidden inputs; single: head 0 starts,
+            # then grows its own rows
+            k = i if self.spec.mode == "chain" else 0
+            d = self.drafts[k]
             if self.spec.mode == "chain" or i == 0:
-                # chain: head i has no KV past r, it decodes the whole prefix with the
-                # previous heads' output rows as its hidden inputs; single: head 0 starts
-                k = i if self.spec.mode == "chain" else 0
-                d.mtp_offset = k
                 for s in active:
-                    d.seq_rm(self._dseq(s, k), s.pos)
-                    j = b.append([s.id_last, *s.drafts], s.pos, self._dseq(s, k), outputs="last")
+                    d.seq_rm(s.seq_id, s.pos)
+                    j = b.append([s.id_last, *s.drafts], s.pos, s.seq_id, outputs="last")
                     b.embd[j] = s.pending_h
                     b.embd[j + 1 : j + 1 + i] = s.chain_h[:i]
                     s.row = b.n - 1
             else:
                 self._grow_single(active, i)
-            self._decode_step(active, i)
+            if not self._decode_step(d, active, i):
+                break
         for s in seqs:
             for k in self.heads:
-                d.seq_rm(self._dseq(s, k), s.pos)
+                self.drafts[k].seq_rm(s.seq_id, s.pos)
         self._end_drafts(seqs)
 
     def _process(self, items: list[tuple[SeqState, list[int], int, np.ndarray]]) -> None:
         """Teacher-force every head on each item's ``tokens`` at p0.. with the trunk
         rows [pending_h, h_tgt[0], .., h_tgt[n-2]] (right-shifted by one), no outputs."""
-        d, b = self.draft, self.dbatch
+        b = self.dbatch
         b.clear()
-        spans = []
         for s, tokens, p0, h_tgt in items:
-            j = b.append(tokens, p0, 0, outputs="none")
+            j = b.append(tokens, p0, s.seq_id, outputs="none")
             b.embd[j] = s.pending_h
             b.embd[j + 1 : j + len(tokens)] = h_tgt[: len(tokens) - 1]
-            spans.append((s, p0, j, j + len(tokens)))
         seqs = [it[0] for it in items]
         for k in self.process_heads:
-            # the same rows, into head k's sequences
-            for s, p0, j0, j1 in spans:
-                d.seq_rm(self._dseq(s, k), p0)
-                b.seq[j0:j1] = self._dseq(s, k)
-            d.mtp_offset = k
-            self._decode(d, b, seqs)
+            # the same batch into every head's context
+            d = self.drafts[k]
+            for s, _, p0, _ in items:
+                d.seq_rm(s.seq_id, p0)
+            try:
+                self._decode_draft(d, b, seqs)
+            except KVFullError:
+                # no room: the head starts over on these sequences (a later decode may
+                # start anywhere in an empty sequence, not after a gap)
+                for s in seqs:
+                    d.seq_rm(s.seq_id)
 
     # -- the fused schedule --------------------------------------------------------
 
@@ -837,33 +940,39 @@ class MTPDriver:
         """Draft with one decode per head used, each carrying, per sequence, the
         anchored rows the head has not seen (through id_last@r) and then the chained
         prefix."""
-        d, b = self.draft, self.dbatch
+        b = self.dbatch
         for i in range(self.n_draft):
             active = self._drafting(seqs, i)
             if not active:
                 break
             b.clear()
+            k = i if self.spec.mode == "chain" else 0
+            d = self.drafts[k]
+            before = [(s, list(s.kv_valid), list(s.kv_end)) for s in active]
             if self.spec.mode == "chain" or i == 0:
-                k = i if self.spec.mode == "chain" else 0
-                d.mtp_offset = k
                 for s in active:
                     # rows [kv_valid[k], r]: anchored; the last one is id_last@r with pending_h
                     self._catch_up(s, keep=self.n_rows_seq - 1 - i, heads=[k])
+                b.clear()  # a catch-up decode left its rows in the batch
+                before = [(s, list(s.kv_valid), list(s.kv_end)) for s in active]
                 for s in active:
                     A = s.anchors
                     a0 = s.kv_valid[k] - A.start
                     self._trim(s, k)
-                    b.append(A.tok[a0 : A.n], s.kv_valid[k], self._dseq(s, k), embd=A.h[a0 : A.n])
+                    b.append(A.tok[a0 : A.n], s.kv_valid[k], s.seq_id, embd=A.h[a0 : A.n])
                     # then [d1@r+1, .., di@r+i] with the chained rows out_0 .. out_{i-1}
                     if i:
-                        b.append(s.drafts, s.pos + 1, self._dseq(s, k), embd=s.chain_h[:i])
+                        b.append(s.drafts, s.pos + 1, s.seq_id, embd=s.chain_h[:i])
                     s.row = b.n - 1
                     b.logits[s.row] = 1
                     s.kv_valid[k] = s.pos + 1
                     s.kv_end[k] = s.pos + 1 + i
             else:
                 self._grow_single(active, i)
-            self._decode_step(active, i)
+            if not self._decode_step(d, active, i):
+                for s, valid, end in before:  # nothing of the batch was decoded
+                    s.kv_valid[:], s.kv_end[:] = valid, end
+                break
         for s in seqs:
             s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
         self._end_drafts(seqs)
@@ -872,29 +981,33 @@ class MTPDriver:
     MAX_CATCH_UP = 256
 
     def _bound_catch_up(self, s: SeqState) -> None:
-        """Adaptive length: a head that sat out many rounds skips all but the last
-        MAX_CATCH_UP rows it missed (its KV keeps a hole there). Otherwise the round
-        that probes whether drafting pays again would pay for the whole pause first
-        (the prompt included), and probing would cost more than it can win. Drafts
-        only get worse, never wrong: the target verifies them."""
+        """Adaptive length: a head that sat out many rounds starts over from the last
+        MAX_CATCH_UP rows it missed, its older KV dropped (llama.cpp takes a sequence's
+        positions only as a continuation of what its KV holds, or from scratch).
+        Otherwise the round that probes whether drafting pays again would pay for the
+        whole pause first (the prompt included), and probing would cost more than it
+        can win. Drafts only get worse, never wrong: the target verifies them."""
         floor = s.pos + 1 - self.MAX_CATCH_UP
         for k in self.heads:
             if s.kv_valid[k] < floor:
-                self._trim(s, k)  # the chained rows of its last draft are not anchored rows
+                self.drafts[k].seq_rm(s.seq_id)
                 s.kv_valid[k] = s.kv_end[k] = floor
 
     def _catch_up(self, s: SeqState, keep: int, heads: list[int] | None = None) -> None:
         """Decode, without outputs, the anchored rows of each head beyond the last
         ``keep`` (whole chunks), so the next shared decode fits in a batch."""
-        d, b, A = self.draft, self.dbatch, s.anchors
+        b, A = self.dbatch, s.anchors
         for k in self.heads if heads is None else heads:
+            d = self.drafts[k]
             while A.end - s.kv_valid[k] > keep:
                 a0 = s.kv_valid[k] - A.start
                 m = min(self.n_chunk, A.end - s.kv_valid[k] - keep)
-                d.mtp_offset = k
                 self._trim(s, k)
-                b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], self._dseq(s, k), outputs="none", embd=A.h[a0 : a0 + m])
-                self._decode(d, b, [s])
+                b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], s.seq_id, outputs="none", embd=A.h[a0 : a0 + m])
+                try:
+                    self._decode_draft(d, b, [s])
+                except KVFullError:
+                    return  # the rows wait in the anchors for a decode with room
                 s.kv_valid[k] += m
                 s.kv_end[k] = s.kv_valid[k]
         A.drop_before(min(s.kv_valid[k] for k in self.heads))
@@ -903,7 +1016,7 @@ class MTPDriver:
         """Drop head k's cells past its anchored prefix (the chained rows of its last
         draft), if it has any: llama.cpp's seq_rm scans every cell of the stream."""
         if s.kv_end[k] > s.kv_valid[k]:
-            self.draft.seq_rm(self._dseq(s, k), s.kv_valid[k])
+            self.drafts[k].seq_rm(s.seq_id, s.kv_valid[k])
             s.kv_end[k] = s.kv_valid[k]
 
     # -- shared pieces -------------------------------------------------------------
@@ -912,16 +1025,22 @@ class MTPDriver:
         """Single mode after step 0: head 0's own KV holds the round's earlier rows,
         so each sequence adds just its last draft with the last output row."""
         for s in active:
-            s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, self._dseq(s, 0), outputs="last",
+            s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, s.seq_id, outputs="last",
                                        embd=s.chain_h[i - 1 : i])
             if self.fused:
                 s.kv_end[0] = s.pos + i + 1
 
-    def _decode_step(self, active: list[SeqState], i: int) -> None:
-        """Run draft step i's decode and take each sequence's draft token."""
-        self._decode(self.draft, self.dbatch, active)
+    def _decode_step(self, d: Context, active: list[SeqState], i: int) -> bool:
+        """Run draft step i's decode (on head context ``d``) and take each sequence's
+        draft token; False when the heads' cache has no room (drafting stops there)."""
+        self._dlast = d
+        try:
+            self._decode_draft(d, self.dbatch, active)
+        except KVFullError:
+            return False
         for s in active:
             self._take_draft(s, i)
+        return True
 
     def _take_draft(self, s: SeqState, i: int) -> None:
         """Take draft token i from the sequence's output row of the last draft
@@ -941,8 +1060,8 @@ class MTPDriver:
     def _pick(self, s: SeqState, i: int) -> tuple[int, float, np.ndarray]:
         """Draft token i from the last decode, its probability, and its hidden row."""
         t0 = time.perf_counter()
-        logits = self.draft.logits(s.row)
-        h = self.draft.nextn_ith(s.row)
+        logits = self._dlast.logits(s.row)
+        h = self._dlast.nextn_ith(s.row)
         s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
         c = s.constraint
         if c is not None and s.mask_drafts:

@@ -12,13 +12,28 @@ request that shares more with it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-__all__ = ["SlotState", "HostPromptCache", "write_heads", "read_heads", "heads_path"]
+__all__ = ["Checkpoint", "SlotState", "HostPromptCache", "write_heads", "read_heads", "heads_path"]
+
+
+@dataclass
+class Checkpoint:
+    """The target's sliding-window cells of a sequence right after it decoded position
+    ``q`` (llama-server's context checkpoint; llama.cpp saves those the next position's
+    window needs): restored, the sequence goes on from q or q + 1, exactly."""
+
+    q: int
+    data: bytes
+
+    def reach(self, p: int) -> int:
+        """Where a sequence sharing the first p tokens goes on from with this
+        checkpoint (the tokens between there and p decoded again); -1: it cannot."""
+        return min(p, self.q + 1) if p >= self.q else -1
 
 
 @dataclass
@@ -32,10 +47,12 @@ class SlotState:
     kv_valid: list[int]
     #: the anchored rows some head has not seen: (position of the first, tokens, trunk rows)
     anchors: tuple[int, np.ndarray, np.ndarray] | None
+    #: a trimmed sliding-window cache: the context checkpoints (MTPDriver's)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        n = len(self.target or b"") + sum(map(len, self.heads))
+        n = len(self.target or b"") + sum(map(len, self.heads)) + sum(len(c.data) for c in self.checkpoints)
         return n + (self.anchors[1].nbytes + self.anchors[2].nbytes if self.anchors else 0)
 
 
@@ -92,9 +109,12 @@ def heads_path(path: Path) -> Path:
 
 
 def write_heads(path: Path, st: SlotState, n_embd: int) -> int:
-    """The heads' part of a slot file; its size."""
+    """The heads' part of a slot file, and the context checkpoints; its size."""
     start, tok, h = st.anchors or (0, np.zeros(0, np.int32), np.zeros((0, n_embd), np.float32))
+    # a head without a draft context (not decoded with these settings) holds nothing
     arrays = {f"head{k}": np.frombuffer(b, dtype=np.uint8) for k, b in enumerate(st.heads)}
+    arrays["ckpt_q"] = np.array([c.q for c in st.checkpoints], dtype=np.int64)
+    arrays.update({f"ckpt{i}": np.frombuffer(c.data, dtype=np.uint8) for i, c in enumerate(st.checkpoints)})
     side = heads_path(path)
     with open(side, "wb") as f:
         np.savez(f, kv_valid=np.array(st.kv_valid, dtype=np.int64), n_tokens=np.array(len(st.tokens)),
@@ -102,17 +122,22 @@ def write_heads(path: Path, st: SlotState, n_embd: int) -> int:
     return side.stat().st_size
 
 
-def read_heads(path: Path, tokens: list[int], n_heads: int) -> tuple[SlotState, int]:
+def read_heads(path: Path, tokens: list[int], n_heads: int, need_heads: bool = True) -> tuple[SlotState, int]:
     """The state a slot file's heads part holds for ``tokens`` (the target's file
-    gave them), and its size; ValueError when it is missing or not this file's."""
+    gave them), and its size; ValueError when it is missing or not this file's.
+    ``need_heads`` False: only its checkpoints are wanted (a server without heads)."""
     side = heads_path(path)
     if not side.is_file():
         raise ValueError(f"{path.name} holds no MTP heads' state ({side.name}): saved by another server or "
                          "without speculation")
     with np.load(side) as z:
-        if int(z["n_tokens"]) != len(tokens) or len(z["kv_valid"]) != n_heads:
+        if int(z["n_tokens"]) != len(tokens) or (need_heads and len(z["kv_valid"]) != n_heads):
             raise ValueError(f"{side.name} does not belong to {path.name}")
+        ckpts = [Checkpoint(int(q), z[f"ckpt{i}"].tobytes()) for i, q in enumerate(z["ckpt_q"])] \
+            if "ckpt_q" in z else []
+        if not need_heads:
+            return SlotState(tokens, None, [], [len(tokens)] * n_heads, None, ckpts), side.stat().st_size
         heads = [z[f"head{k}"].tobytes() for k in range(n_heads)]
         anchors = (int(z["anchors_start"]), z["anchors_tok"], z["anchors_h"])
-        st = SlotState(tokens, None, heads, [int(v) for v in z["kv_valid"]], anchors)
+        st = SlotState(tokens, None, heads, [int(v) for v in z["kv_valid"]], anchors, ckpts)
     return st, side.stat().st_size

@@ -28,6 +28,9 @@ class GenStats:
     rounds_by_length: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
     n_target_decodes: int = 0
     n_draft_decodes: int = 0
+    #: of those, the decodes made while the prompt was decoded (its chunks)
+    n_prompt_target_decodes: int = 0
+    n_prompt_draft_decodes: int = 0
     #: rows (tokens) those decodes carried
     n_target_rows: int = 0
     n_draft_rows: int = 0

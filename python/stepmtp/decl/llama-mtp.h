@@ -8,3 +8,4 @@ int32_t llama_mtp_get_layer_offset(const struct llama_context * ctx);
 void    llama_mtp_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 float * llama_mtp_get_embeddings_nextn(struct llama_context * ctx);
 float * llama_mtp_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+void    llama_mtp_context_memory(const struct llama_context * ctx, size_t * kv, size_t * compute, size_t * output);

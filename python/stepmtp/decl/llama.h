@@ -73,6 +73,7 @@ struct llama_context_params {
     uint32_t n_batch;
     uint32_t n_ubatch;
     uint32_t n_seq_max;
+    uint32_t n_outputs_max;
     int32_t  n_threads;
     int32_t  n_threads_batch;
     enum llama_context_type ctx_type;
@@ -86,6 +87,7 @@ struct llama_context_params {
     bool no_perf;
     bool swa_full;
     bool kv_unified;
+    int32_t mtp_kv_block;
     ...;
 };
 
@@ -116,6 +118,7 @@ const struct llama_vocab * llama_model_get_vocab(const struct llama_model * mode
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
 int32_t llama_model_n_embd     (const struct llama_model * model);
 int32_t llama_model_n_layer    (const struct llama_model * model);
+int32_t llama_model_n_swa      (const struct llama_model * model);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
 int32_t llama_model_meta_count(const struct llama_model * model);
 int32_t llama_model_meta_key_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
@@ -139,6 +142,12 @@ size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id)
 size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
 size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size,
                                 llama_seq_id dest_seq_id);
+typedef uint32_t llama_state_seq_flags;
+size_t llama_state_seq_get_size_ext(struct llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags);
+size_t llama_state_seq_get_data_ext(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id,
+                                    llama_state_seq_flags flags);
+size_t llama_state_seq_set_data_ext(struct llama_context * ctx, const uint8_t * src, size_t size,
+                                    llama_seq_id dest_seq_id, llama_state_seq_flags flags);
 size_t llama_state_seq_save_file(struct llama_context * ctx, const char * filepath, llama_seq_id seq_id,
                                  const llama_token * tokens, size_t n_token_count);
 size_t llama_state_seq_load_file(struct llama_context * ctx, const char * filepath, llama_seq_id dest_seq_id,
