@@ -191,6 +191,10 @@ def test_health_props_models(server, client, agree):
     assert props["model_path"] == str(agree)
     assert "<|im_start|>" in props["chat_template"]
     assert props["stepmtp"]["mtp_mode"] == "chain" and props["stepmtp"]["n_heads"] == 3
+    # llama.cpp's buffers: the target's KV, and the heads' (one layer each, the same cells)
+    mem = props["stepmtp"]["memory"]
+    assert mem["target"]["kv"] > 0 and 0 < mem["draft"]["kv"] < mem["target"]["kv"]
+    assert props["stepmtp"]["swa_full"] is False and props["stepmtp"]["ctx_checkpoints"] == 32
     for route in ("/v1/models", "/models"):
         models = client.get(route).json()
         assert models["object"] == "list"

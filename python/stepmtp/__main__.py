@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="verification at temperature > 0 (auto: rejection sampling)")
     ap.add_argument("--spec-adaptive", action="store_true", help="choose the draft length each round")
     ap.add_argument("-c", "--ctx-size", type=int, default=4096)
+    ap.add_argument("--swa-full", action="store_true", help="full-size sliding-window cache")
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--compare", action="store_true", help="none vs single vs chain on the same prompt")
     args = ap.parse_args(argv)
@@ -66,15 +67,18 @@ def main(argv: list[str] | None = None) -> int:
                           p_min=args.spec_draft_p_min, schedule=args.spec_schedule,
                           verify=args.spec_verify, adaptive=args.spec_adaptive)
         with Engine(model, mtp_model=args.mtp_model, spec=spec, n_ctx=args.ctx_size,
-                    n_threads=args.threads, seed=args.seed, progress=sys.stderr.isatty()) as eng:
+                    n_threads=args.threads, seed=args.seed, swa_full=args.swa_full,
+                    progress=sys.stderr.isatty()) as eng:
             if mode == modes[0]:
                 print(f"model: {model} ({eng.model.description}), MTP heads: {eng.model.n_mtp_blocks_loaded}",
                       file=sys.stderr)
             out = eng.generate(args.prompt, n_predict=args.n_predict, temperature=args.temp)
+            mem = eng.memory()
         texts[mode] = out.text
         if not args.compare:
             print(args.prompt + out.text)
-        print(_stats_line(mode, out.stats), file=sys.stderr)
+        print(_stats_line(mode, out.stats) + f" KV MiB tgt={mem['target']['kv'] / 2**20:.2f} "
+              f"dft={mem['draft']['kv'] / 2**20:.2f}", file=sys.stderr)
     if args.compare:
         print(args.prompt + texts["chain"])
         if args.temp <= 0 and len(set(texts.values())) != 1:

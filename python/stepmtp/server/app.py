@@ -93,6 +93,7 @@ class ServerState:
         #: the chat format's marker tokens, kept as text in chat output
         self.preserved: frozenset[int] = frozenset()
         self.n_draft = 0
+        self.memory: dict[str, dict[str, int]] = {}
         #: called (from the loading thread) when the model cannot be loaded: stops the server
         self.on_fatal: Callable[[], None] | None = None
         self.exit_code = 0
@@ -138,6 +139,15 @@ class ServerState:
                      engine.target.n_ubatch)
             log.info("slots: %d, decoded together; n_ctx per slot %d (%s KV cache)", engine.n_parallel,
                      engine.n_ctx, "unified" if engine.target.kv_unified else "split")
+            # llama.cpp's buffers: fixed once the contexts exist (the output buffer may grow)
+            self.memory = engine.memory()
+            mib = {k: {kk: v / 2**20 for kk, v in d.items()} for k, d in self.memory.items()}
+            log.info("memory (MiB): target KV %.2f, compute %.2f; draft KV %.2f (%d heads, one layer each), "
+                     "compute %.2f; sliding-window cache %s, %d context checkpoints per slot",
+                     mib["target"]["kv"], mib["target"]["compute"], mib["draft"]["kv"],
+                     sum(d is not None for d in engine.drafts), mib["draft"]["compute"],
+                     "full" if engine.target.swa_full else "window + ubatch",
+                     engine.driver.n_checkpoints)
             self.worker = Worker(engine, on_done=self._on_done)
             self.ready.set()
             log.info("server is listening on http://%s:%d - ready", _host_for_url(cfg.host), cfg.port)
@@ -409,6 +419,10 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 "p_min": cfg.p_min,
                 "n_parallel": cfg.n_parallel,
                 "concurrent_sequences": eng.n_parallel,
+                # bytes of llama.cpp's buffers (KV cache, compute, output) per context
+                "memory": st.memory,
+                "swa_full": eng.target.swa_full,
+                "ctx_checkpoints": eng.driver.n_checkpoints,
             },
         }
 
@@ -440,7 +454,8 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                     "prompt": eng.detokenize(req.prompt_tokens),
                     "generated": req.asm.text,
                     "stepmtp": {"drafted": req.state.stats.n_drafted, "accepted": req.state.stats.n_accepted,
-                                "rounds": req.state.stats.n_rounds},
+                                "rounds": req.state.stats.n_rounds,
+                                "ctx_checkpoints": len(req.state.checkpoints)},
                 })
             out.append(item)
         if fail_on_no_slot and all(x["is_processing"] for x in out):

@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "-sps", "--slot-prompt-similarity", metavar="SIMILARITY", dest="slot_prompt_similarity", type=_float,
         default=0.1, help="how much of a request's prompt a slot's cached prompt must share for the request to "
                           "go to that slot, else the least recently used one (default: 0.10, 0.0 = disabled)")
+    add(g, "--swa-full", dest="swa_full", action="store_true", env="LLAMA_ARG_SWA_FULL",
+        help="use full-size SWA cache (default: false, the window plus one ubatch of cells)")
+    add(g, "-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", metavar="N", dest="ctx_checkpoints", type=_int,
+        default=32, env="LLAMA_ARG_CTX_CHECKPOINTS",
+        help="max number of context checkpoints to create per slot (default: 32): the sliding-window cells "
+             "at a prompt's end, so a later prompt that leaves the cache there goes on from it")
     add(g, "-cram", "--cache-ram", metavar="N", dest="cache_ram", type=_int, default=8192,
         env="LLAMA_ARG_CACHE_RAM", help="MiB of host memory for prompts slots lose (another conversation takes "
                                         "the slot), restored for a request that shares more with them; -1: no "
@@ -296,9 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
     add(g, "--offline", dest="_offline", action="store_true", env="LLAMA_OFFLINE",
         help="this server never downloads anything: always offline")
-    add(g, "-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", metavar="N", dest="_ctx_checkpoints", type=_int,
-        env="LLAMA_ARG_CTX_CHECKPOINTS", help="context checkpoints per slot: none are needed here, the "
-                                              "sliding-window layers keep a whole cache (speculation rolls back)")
     add(g, "--tags", metavar="STRING", dest="_tags", env="LLAMA_ARG_TAGS",
         help="model tags, informational (not used)")
     add(g, "--slots", dest="endpoint_slots", action="store_const", const=True, default=True,
@@ -440,6 +443,8 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         slot_save_path=a.slot_save_path,
         ui=a.ui,
         cache_ram_mib=a.cache_ram,
+        swa_full=a.swa_full,
+        ctx_checkpoints=a.ctx_checkpoints,
         use_jinja=a.use_jinja,
         reasoning_format=a.reasoning_format,
         reasoning_budget=a.reasoning_budget,

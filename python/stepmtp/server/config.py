@@ -58,6 +58,10 @@ class ServerConfig:
     slot_prompt_similarity: float = 0.1
     #: --cache-ram: MiB of host memory for prompts slots lose (-1 no bound, 0 none)
     cache_ram_mib: int = 8192
+    #: --swa-full: a full-size sliding-window cache (default: window + ubatch)
+    swa_full: bool = False
+    #: --ctx-checkpoints: context checkpoints per slot (a trimmed sliding-window cache)
+    ctx_checkpoints: int = 32
     #: --slot-save-path: where slot files go (None: slot actions disabled)
     slot_save_path: str | None = None
     #: --ui / --no-ui: the chat page at /
@@ -178,6 +182,8 @@ class ServerConfig:
             kv_unified=self.unified_kv,
             slot_prompt_similarity=self.slot_prompt_similarity,
             cache_ram_mib=self.cache_ram_mib,
+            swa_full=self.swa_full,
+            ctx_checkpoints=self.ctx_checkpoints,
             seed=self.seed if 0 <= self.seed < DEFAULT_SEED else -1,
             flash_attn=self.flash_attn,
         )
