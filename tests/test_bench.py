@@ -166,19 +166,38 @@ def test_gate_passes_unchanged(agree, prompts, baseline):
 
 
 def test_gate_fails_with_chaining_disabled(agree, prompts, baseline, monkeypatch):
-    """A broken driver: every draft step runs head 0 (the MTP layer offset stuck at 0)."""
+    """A broken driver: every draft step runs head 0 (each head's context left on the
+    MTP layer offset's default, block 0)."""
     from stepmtp.llama import Context
 
-    prop = Context.mtp_offset
-    monkeypatch.setattr(Context, "mtp_offset", property(prop.fget, lambda self, k: prop.fset(self, 0)))
+    init = Context.__init__
+
+    def unbound(self, *a, mtp_block=None, **k):
+        init(self, *a, **k)
+
+    monkeypatch.setattr(Context, "__init__", unbound)
     run = bench(agree, prompts)
     assert not run.mismatches  # the output is still exact; only the drafts are worse
     rep = G.check(run, baseline)
     assert not rep.ok
     text = rep.text()
     assert "REGRESSION: chain-3 code_python:" in text and "depth 2 accepted" in text, text
-    # single mode only ever uses head 0: unchanged
-    assert not any(f.startswith("single-2") for f in rep.failures), text
+    # single mode only ever uses head 0: its counts unchanged (its head's context now
+    # holds every block's layer: the memory gate sees that)
+    assert not any(f.startswith("single-2") and "KV memory grew" not in f for f in rep.failures), text
+
+
+def test_gate_fails_when_kv_memory_grows(agree, prompts, baseline, monkeypatch):
+    """A change that keeps a full-size sliding-window cache: same tokens, more KV."""
+    from stepmtp.engine import Engine
+
+    assert all(b["kv"] > 0 for b in baseline["memory"].values())
+    init = Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "swa_full": True}))
+    rep = G.check(bench(agree, prompts, "none,chain-3", repeat=1), baseline)
+    text = rep.text()
+    assert any(f.startswith("chain-3: KV memory grew") for f in rep.failures), text
+    assert any(f.startswith("none: KV memory grew") for f in rep.failures), text
 
 
 def test_gate_fails_with_shifted_drafts(agree, prompts, baseline, monkeypatch):
@@ -598,9 +617,8 @@ def test_stepmtp_server_backend(agree, prompts, tmp_path):
 
 
 def test_llama_server_gets_our_kv_layout(tmp_path):
-    """The C++ llama-server is started with the full sliding-window cache our contexts
-    keep: without it the two compute different logits (the bundled model's greedy
-    texts diverged wherever its top two logits were ~0.02 apart), with it they agree."""
+    """The C++ llama-server runs with its defaults, as ours: the window-sized
+    sliding-window cache (placed by position in both: the same llama.cpp, patched)."""
     from stepmtp.bench.runners import ServerRunner
 
     exe = tmp_path / "llama-server"
@@ -608,5 +626,5 @@ def test_llama_server_gets_our_kv_layout(tmp_path):
     r = ServerRunner(BenchConfig(mode="single", n_max=2, backend="llama-server"), tmp_path / "m.gguf",
                      llama_server=exe, n_threads=1)
     argv = r.process.argv
-    assert argv[0] == str(exe) and "--swa-full" in argv
+    assert argv[0] == str(exe) and "--swa-full" not in argv
     assert argv[argv.index("--spec-draft-n-max") + 1] == "2"

@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     exe = None if args.no_llama_server else (args.llama_server or find_llama_server())
     if exe:
-        # the same KV layout as ours (full sliding-window cache), prompt caching on (its default)
-        servers["llama-server"] = ServerProcess([str(exe), *common, "--swa-full"], label="cpp")
+        # defaults, as ours: the window-sized sliding-window cache, prompt caching on
+        servers["llama-server"] = ServerProcess([str(exe), *common], label="cpp")
     pieces = [p.prompt for p in load_prompts(None).prompts]
     convs: dict[str, list[dict[str, Any]]] = {k: [] for k in servers}
     rows: list[dict[str, Any]] = []

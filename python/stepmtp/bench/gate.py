@@ -53,6 +53,9 @@ def make_baseline(run: BenchRun, tolerance: float = DEFAULT_TOLERANCE) -> dict[s
     speed = {lab: {"tok_s_ratio": a.get("tok_s_ratio"), "relative_to": a.get("relative_to"),
                    "tok_s": a["tok_s"]}
              for lab, a in rat.items()}
+    # llama.cpp's KV bytes are exact for given settings; peak RSS is noted, not gated
+    memory = {c.label: {k: v for k, v in (c.info.get("memory") or {}).items() if k in ("kv", "peak_rss")}
+              for c in run.configs if (c.info.get("memory") or {}).get("kv") is not None}
     env = run.environment
     return {
         "format": BASELINE_FORMAT,
@@ -66,6 +69,7 @@ def make_baseline(run: BenchRun, tolerance: float = DEFAULT_TOLERANCE) -> dict[s
                     "categories": [p.category for p in run.prompts.prompts]},
         "counts": counts,
         "speed": speed,
+        "memory": memory,
         "environment": {k: env.get(k) for k in ("cpu_model", "n_threads", "build_type", "build_flags",
                                                  "llama_cpp_commit", "git_commit", "stepmtp")},
     }
@@ -179,6 +183,12 @@ def check(run: BenchRun, baseline: dict[str, Any], tolerance: float | None = Non
     extra = sorted(set(runs) - set(baseline.get("counts") or {}))
     if extra:
         rep.notes.append(f"configurations not in the baseline: {', '.join(extra)}")
+
+    infos = {c.label: c.info for c in run.configs}
+    for lab, b in (baseline.get("memory") or {}).items():
+        now = ((infos.get(lab) or {}).get("memory") or {}).get("kv")
+        if b.get("kv") is not None and now is not None and now > b["kv"]:
+            rep.fail(f"{lab}: KV memory grew from {b['kv'] / 2**20:.2f} MiB to {now / 2**20:.2f} MiB")
 
     rat = ratios(run)
     for lab, b in (baseline.get("speed") or {}).items():

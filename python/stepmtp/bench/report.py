@@ -84,6 +84,8 @@ def aggregate(results: list[Result], config: BenchConfig | None = None,
             known = True
             for r in results:
                 c_t, c_d, passes = prompt_cost(config, n_heads, r.n_prompt)
+                if r.prompt_target_decodes is not None:  # counted, in-process
+                    c_t, c_d = r.prompt_target_decodes, r.prompt_draft_decodes
                 td += r.target_decodes - c_t
                 dd_ += r.draft_decodes - c_d
                 tr += r.target_rows - r.n_prompt
@@ -140,6 +142,11 @@ def ratios(run: BenchRun) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _mib(info: dict[str, Any], key: str) -> str:
+    v = (info.get("memory") or {}).get(key)
+    return "–" if v is None else f"{v / 2**20:.1f}"
+
+
 def _f(v: Any, fmt: str = "{:.3f}") -> str:
     return "–" if v is None else fmt.format(v)
 
@@ -153,8 +160,8 @@ def markdown(run: BenchRun) -> str:
            f"temperature 0, {run.settings.get('threads') or (run.environment or {}).get('n_threads') or 'all'} threads, "
            f"repeat {run.settings.get('repeat', 1)}", ""]
     out += ["| config | accept | accept d1 / d2 / d3 | tok/s | x none | wall s | x none | tok/round "
-            "| decodes/round tgt + dft | rows/round tgt + dft | python |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| decodes/round tgt + dft | rows/round tgt + dft | python | KV MiB | peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in run.configs:
         a = rat[c.label]
         depth = " / ".join(_f(x, "{:.2f}") for x in a.get("accept_rate_per_depth", [])) or "–"
@@ -166,10 +173,11 @@ def markdown(run: BenchRun) -> str:
         out.append(f"| {c.label} | {acc} | {depth} | {a['tok_s']:.1f} | {_f(a.get('tok_s_ratio'), '{:.2f}')} "
                    f"| {a['wall_s_total']:.2f} | {_f(a.get('wall_ratio'), '{:.2f}')} "
                    f"| {_f(a.get('tokens_per_round'), '{:.2f}')} | {dec} | {rows} "
-                   f"| {_f(a.get('python_share'), '{:.0%}')} |")
+                   f"| {_f(a.get('python_share'), '{:.0%}')} | {_mib(c.info, 'kv')} | {_mib(c.info, 'peak_rss')} |")
     out += ["", "Per round: the generation's decodes and rows (the prompt's bootstrap left out); "
             "x none: relative to no speculation on the same backend; python: share of the time "
-            "spent outside llama.cpp.", ""]
+            "spent outside llama.cpp. KV: llama.cpp's KV buffers, target and draft contexts "
+            "(llama-server: its log's llama_kv_cache lines); peak RSS: the process's VmHWM.", ""]
     spec = [c for c in run.configs if c.config.mode != "none"]
     if spec:
         out += ["| category | " + " | ".join(c.label for c in spec) + " |",

@@ -232,6 +232,9 @@ class Result:
     target_rows: int | None = None
     draft_rows: int | None = None
     t_python_ms: float | None = None
+    #: decodes the prompt took (in-process)
+    prompt_target_decodes: int | None = None
+    prompt_draft_decodes: int | None = None
     #: with --repeat: every repeat's generation time (gen_ms is the best of them)
     gen_ms_repeats: list[float] = field(default_factory=list)
 
@@ -290,6 +293,42 @@ class Runner:
 # -- in-process ------------------------------------------------------------------
 
 
+# -- memory: llama.cpp's KV bytes and the process's peak RSS ------------------------------
+
+
+def peak_rss(pid: int | str = "self") -> int | None:
+    """A process's peak resident set (VmHWM), bytes; None where /proc has none."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def llama_server_kv(model: str | Path, n_ctx: int, n_parallel: int, mtp: bool, n_ubatch: int = 512,
+                    mtp_model: str | Path | None = None) -> int:
+    """The KV bytes llama-server allocates for these flags (its defaults otherwise; -np
+    -1: auto, 4 slots sharing a unified cache): its target context and, with
+    draft-mtp, its one MTP context of all the blocks, made here through the same
+    llama.cpp and measured (its log prints them only with -v)."""
+    from ..llama import Context, Model
+
+    unified, n_seq = (True, 4) if n_parallel < 0 else (False, n_parallel)
+    kw = dict(n_ctx=n_ctx, n_seq_max=n_seq, kv_unified=unified, n_ubatch=n_ubatch, n_threads=1)
+    with Model(model) as m:
+        with Context(m, **kw) as t:
+            kv = t.memory()["kv"]
+        if mtp and mtp_model is None:
+            with Context(m, mtp=True, **kw) as d:
+                kv += d.memory()["kv"]
+    if mtp and mtp_model is not None:
+        with Model(mtp_model) as dm, Context(dm, mtp=True, **kw) as d:
+            kv += d.memory()["kv"]
+    return kv
+
+
 class EngineRunner(Runner):
     """An ``Engine`` in this process."""
 
@@ -318,7 +357,8 @@ class EngineRunner(Runner):
             drafted_per_depth=list(st.drafted_per_depth), accepted_per_depth=list(st.accepted_per_depth),
             gen_ms=st.t_gen_ms, prompt_ms=st.t_prompt_ms, wall_s=wall, rounds=st.n_rounds,
             target_decodes=st.n_target_decodes, draft_decodes=st.n_draft_decodes,
-            target_rows=st.n_target_rows, draft_rows=st.n_draft_rows, t_python_ms=st.t_python_ms)
+            target_rows=st.n_target_rows, draft_rows=st.n_draft_rows, t_python_ms=st.t_python_ms,
+            prompt_target_decodes=st.n_prompt_target_decodes, prompt_draft_decodes=st.n_prompt_draft_decodes)
 
     def close(self) -> None:
         if self.engine is not None:
@@ -329,8 +369,14 @@ class EngineRunner(Runner):
         e = self.engine
         if e is None:
             return {}
+        mem = e.memory()
         return {"n_heads": e.n_heads, "n_draft": e.driver.n_draft, "n_ctx": e.n_ctx,
-                "n_threads": self.kw.get("n_threads")}
+                "n_threads": self.kw.get("n_threads"),
+                "memory": {"kv": mem["target"]["kv"] + mem["draft"]["kv"], "target_kv": mem["target"]["kv"],
+                           "draft_kv": mem["draft"]["kv"],
+                           "compute": mem["target"]["compute"] + mem["draft"]["compute"]}}
+        # no peak RSS per configuration in-process: the configurations' engines live
+        # side by side in one process (the server runs give one per process)
 
 
 # -- HTTP ----------------------------------------------------------------------------
@@ -410,7 +456,13 @@ class URLRunner(Runner):
         gs = self.props.get("default_generation_settings", {}) if self.props else {}
         params = gs.get("params", gs) if isinstance(gs, dict) else {}
         keep = {k: v for k, v in params.items() if k.startswith("speculative")}
-        return {"url": self.url, "model": self.props.get("model_path"), **keep}
+        out = {"url": self.url, "model": self.props.get("model_path"), **keep}
+        mem = (self.props.get("stepmtp") or {}).get("memory")
+        if mem:
+            out["memory"] = {"kv": mem["target"]["kv"] + mem["draft"]["kv"], "target_kv": mem["target"]["kv"],
+                             "draft_kv": mem["draft"]["kv"],
+                             "compute": mem["target"]["compute"] + mem["draft"]["compute"]}
+        return out
 
 
 # -- server processes --------------------------------------------------------------------
@@ -546,15 +598,15 @@ class ServerRunner(URLRunner):
                  n_ctx: int = 2048, n_threads: int | None = None, llama_server: str | Path | None = None,
                  startup_timeout: float = 600.0, timeout: float = 600.0, n_parallel: int = 1) -> None:
         super().__init__("http://127.0.0.1:0", config, timeout=timeout)
+        self._kv_args = (model, n_ctx, -1 if config.slots < 0 else (config.slots or n_parallel),
+                         config.mode != "none", 512, mtp_model)
         if config.backend == "llama-server":
             exe = llama_server or find_llama_server()
             if exe is None:
                 raise FileNotFoundError("no llama-server binary: pass --llama-server PATH (build it with "
                                         "CMAKE_ARGS=\"-DSTEPMTP_BUILD_SERVER=on\" pip install .)")
-            # our contexts keep the full sliding-window cache (speculation rolls it back):
-            # the same KV layout here, or the two compute different logits (seen: greedy
-            # texts diverging on the bundled model wherever its top two were 0.02 apart)
-            argv = [str(exe), "--swa-full"]
+            # both with their default sliding-window cache (the window plus one ubatch)
+            argv = [str(exe)]
         else:
             argv = [sys.executable, "-m", "stepmtp.server"]
         argv += ["-m", str(model), "-c", str(n_ctx), "--temp", "0"]
@@ -584,4 +636,11 @@ class ServerRunner(URLRunner):
         self.process.close()
 
     def info(self) -> dict[str, Any]:
-        return {"argv": self.process.argv, **super().info()}
+        out = {"argv": self.process.argv, **super().info()}
+        mem = dict(out.get("memory") or {})
+        if "kv" not in mem:  # llama-server: its contexts' KV, as llama.cpp allocates them
+            mem["kv"] = llama_server_kv(*self._kv_args)
+        if self.process.proc is not None:
+            mem["peak_rss"] = peak_rss(self.process.proc.pid)
+        out["memory"] = mem
+        return out
