@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--ctx-size", type=int, default=4096)
     ap.add_argument("--swa-full", action="store_true", help="full-size sliding-window cache")
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("-ngl", "--n-gpu-layers", dest="ngl", default="auto",
+                    help="layers to offload: a number, 'auto' (default: all with a GPU backend) or 'all'")
     ap.add_argument("--compare", action="store_true", help="none vs single vs chain on the same prompt")
     args = ap.parse_args(argv)
 
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                           p_min=args.spec_draft_p_min, schedule=args.spec_schedule,
                           verify=args.spec_verify, adaptive=args.spec_adaptive)
         with Engine(model, mtp_model=args.mtp_model, spec=spec, n_ctx=args.ctx_size,
-                    n_threads=args.threads, seed=args.seed, swa_full=args.swa_full,
+                    n_threads=args.threads, seed=args.seed, swa_full=args.swa_full, n_gpu_layers=args.ngl,
                     progress=sys.stderr.isatty()) as eng:
             if mode == modes[0]:
                 print(f"model: {model} ({eng.model.description}), MTP heads: {eng.model.n_mtp_blocks_loaded}",

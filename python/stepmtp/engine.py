@@ -33,7 +33,9 @@ class Engine:
             ``SpecConfig``); or pass ``spec``.
         n_ctx: context size (0: the model's). n_batch, n_ubatch: as ``-b``/``-ub``.
         n_threads, n_threads_batch: CPU threads (default: all this process may use).
-        n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all.
+        n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all; default
+            ``"auto"``, as llama-server's ``-ngl``: every layer when the build has a GPU
+            backend (or RPC servers are given), none on a CPU-only build.
         rpc: RPC servers for the target and the draft (MTP) model, ``"host:port,..."``
             (llama-server's ``--rpc``); they count as GPUs for ``n_gpu_layers``.
         n_parallel: slots (llama-server's ``-np``): this many generations decode
@@ -81,7 +83,7 @@ class Engine:
         n_ubatch: int = 512,
         n_threads: int | None = None,
         n_threads_batch: int | None = None,
-        n_gpu_layers: int | str = 0,
+        n_gpu_layers: int | str = "auto",
         n_gpu_layers_draft: int | str | None = None,
         rpc: str | Sequence[str] | None = None,
         n_parallel: int = 1,
