@@ -543,11 +543,16 @@ class Context(_Closing):
         #: the cells of a sequence's region in that cache (R): position p overwrites
         #: p - R only
         self.swa_region: int = 1 << 30
+        #: the sliding-window layers keep fewer cells than the context (not swa_full,
+        #: and a context longer than the window plus a ubatch): positions get overwritten
+        self.swa_trimmed = False
         if model.n_swa > 0 and not swa_full:
             n_reg = self.n_seq_max if kv_unified else 1
             cells = -(-min(self.n_ctx_seq, model.n_swa * n_reg + self.n_ubatch) // 256) * 256
-            self.swa_region = cells // n_reg
-            self.swa_rows = max(1, self.swa_region - model.n_swa)
+            if cells < self.n_ctx_seq:
+                self.swa_trimmed = True
+                self.swa_region = cells // n_reg
+                self.swa_rows = max(1, self.swa_region - model.n_swa)
         self.n_vocab = model.n_vocab
         self.n_embd = model.n_embd
         self._nextn = (False, False)

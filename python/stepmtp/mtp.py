@@ -359,7 +359,7 @@ class MTPDriver:
         # a decode's rows per sequence stay within what a trimmed sliding-window cache
         # places by position (see the module's docstring)
         self.n_chunk = min([target.n_batch, target.swa_rows] + [min(d.n_batch, d.swa_rows) for d in live])
-        self.swa_trimmed = target.model.n_swa > 0 and not target.swa_full
+        self.swa_trimmed = target.swa_trimmed
         self.n_checkpoints = checkpoints if self.swa_trimmed else 0
         # rows one sequence may put in a shared decode: every sequence's rows must fit
         self.n_rows_seq = self.n_chunk // n_seq
