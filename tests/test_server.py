@@ -520,7 +520,8 @@ def test_api_key(server):
         assert r.json() == {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
     assert httpx.post(server.url + "/completion", json=body, headers={"X-Api-Key": KEY}, timeout=30).status_code == 200
     assert httpx.get(server.url + "/props", headers={"Authorization": KEY}, timeout=30).status_code == 200
-    for public in ("/health", "/v1/health", "/v1/models", "/models"):
+    for public in ("/health", "/v1/health", "/v1/models", "/models", "/", "/sw.js", "/manifest.webmanifest",
+                   "/_app/version.json"):
         assert httpx.get(server.url + public, timeout=30).status_code == 200, public
     assert httpx.get(server.url + "/metrics", timeout=30).status_code == 401
     # the API docs and /slots (other clients' prompts) are not public either
@@ -722,5 +723,10 @@ def test_chat_page(server, agree, tmp_path):
     r = httpx.get(server.url + "/", timeout=30)
     assert r.status_code == 200 and r.text.lstrip().lower().startswith("<!doctype html>")
     assert "/v1/chat/completions" in r.text and "reasoning_content" in r.text
+    # its files at llama-server's web UI's paths: an installable page
+    assert httpx.get(server.url + "/manifest.webmanifest", timeout=30).json()["start_url"] == "/"
+    assert "addEventListener" in httpx.get(server.url + "/sw.js", timeout=30).text
+    assert httpx.get(server.url + "/_app/version.json", timeout=30).json()["version"]
     with running(["-m", str(agree), "-c", "512", "-np", "1", "-t", "1", "--no-ui"], tmp_path) as srv:
-        assert httpx.get(srv.url + "/", timeout=30).status_code == 404
+        for path in ("/", "/sw.js", "/manifest.webmanifest"):
+            assert httpx.get(srv.url + path, timeout=30).status_code == 404

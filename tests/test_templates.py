@@ -38,6 +38,20 @@ def test_variables_reach_the_template():
     assert render_chat(FakeModel(), MSGS, template=src, variables={"enable_thinking": False}) == "NO2"
 
 
+def test_tools_as_one_string_and_the_date():
+    """Templates written for llama.cpp's variables: firefunction takes the tools as a
+    JSON string (``functions``) and today's date (``datetime``, '%b %d %Y')."""
+    import datetime
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[1] / "vendor" / "llama.cpp" / "models" / "templates" /
+           "fireworks-ai-llama-3-firefunction-v2.jinja").read_text()
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    out = render_chat(FakeModel(), MSGS[1:], template=src, variables={"tools": [tool]})
+    assert '"name": "get_weather"' in out and datetime.date.today().strftime("%b %d %Y") in out
+    assert "get_weather" not in render_chat(FakeModel(), MSGS[1:], template=src)
+
+
 def test_chatml_fallback_matches_llama_server():
     ctx = template_context(FakeModel(), MSGS, add_generation_prompt=False)
     assert render(CHATML_TEMPLATE, ctx) == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"

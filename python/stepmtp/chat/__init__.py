@@ -10,6 +10,7 @@ memory); in-process, ``render_chat`` runs it directly.
 from __future__ import annotations
 
 import datetime
+import json
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .jinja_render import TemplateFailure, render
@@ -54,6 +55,9 @@ def template_context(model: "Model", messages: Sequence[dict[str, Any]], *, add_
     ctx: dict[str, Any] = {"enable_thinking": True, "date_string": now.strftime("%d %b %Y"),
                            "datetime": now.strftime("%b %d %Y")}
     ctx.update({str(k): v for k, v in (variables or {}).items() if str(k) not in RESERVED})
+    # templates that take the tools as one string (firefunction's): llama.cpp's JSON
+    tools = ctx.get("tools")
+    ctx.setdefault("functions", json.dumps(tools, indent=2) if tools else "")
     ctx.update(messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
     return ctx
 

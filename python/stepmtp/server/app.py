@@ -51,6 +51,9 @@ M = TypeVar("M", bound=BaseModel)
 #: reachable without an API key: llama-server's public endpoints, no more (the API docs
 #: and /slots, which shows other clients' prompts, need the key too)
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/"})
+#: the chat page's own files, public like it (llama-server's web UI's paths)
+UI_ASSETS = {"/sw.js": "application/javascript", "/manifest.webmanifest": "application/manifest+json",
+             "/_app/version.json": "application/json"}
 #: reachable while the model loads
 LOADING_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -210,7 +213,7 @@ class GateMiddleware:
             await JSONResponse(error_body("Loading model", "unavailable_error"), status_code=503)(scope, receive, send)
             return
         keys = self.state.cfg.api_keys
-        if keys and path not in PUBLIC_PATHS:
+        if keys and path not in PUBLIC_PATHS and path not in UI_ASSETS:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             key = headers.get("authorization", "") or headers.get("x-api-key", "")
             if key.startswith("Bearer "):
@@ -370,6 +373,17 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             raise StarletteHTTPException(404)
         return Response((Path(__file__).parent / "static" / "index.html").read_bytes(),
                         media_type="text/html; charset=utf-8")
+
+    async def ui_asset(request: Request) -> Response:
+        if not cfg.ui:
+            raise StarletteHTTPException(404)
+        path = request.url.path
+        if path == "/_app/version.json":
+            return JSONResponse({"version": __version__})
+        return Response((Path(__file__).parent / "static" / path.lstrip("/")).read_bytes(), media_type=UI_ASSETS[path])
+
+    for _path in UI_ASSETS:
+        app.add_api_route(_path, ui_asset, methods=["GET"], include_in_schema=False)
 
     @app.get("/health", tags=["server"], summary="200 when ready, 503 while the model loads")
     @app.get("/v1/health", include_in_schema=False)
@@ -1041,11 +1055,12 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
         # a last assistant message is a prefill (llama-server): the answer continues it
         try:
-            prefill = msgs[-1].text() if msgs[-1].role == "assistant" and not (msgs[-1].model_extra or {}).get(
-                "tool_calls") else None
+            prefill = msgs[-1].text("\n\n") if msgs[-1].role == "assistant" and not (
+                msgs[-1].model_extra or {}).get("tool_calls") else None
         except ValueError as e:
             raise bad_request(str(e)) from None
-        text = await render_chat(eng, msgs, req.add_generation_prompt and prefill is None, variables)
+        text = await render_chat(eng, msgs, req.add_generation_prompt and prefill is None, variables,
+                                 last_content=prefill)
         if prefill:
             cut = text.rfind(prefill)
             if cut >= 0:
@@ -1071,10 +1086,12 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     # -- chat template ----------------------------------------------------------------
 
     async def render_chat(eng: Engine, messages: list[ChatMessage], add_generation_prompt: bool,
-                          kwargs: dict[str, Any] | None) -> str:
+                          kwargs: dict[str, Any] | None, last_content: str | None = None) -> str:
         _check_messages(messages)
         try:
             msgs = normalize_messages([{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages])
+            if last_content is not None:  # a prefill, its parts joined as llama.cpp does
+                msgs[-1]["content"] = last_content
         except ValueError as e:
             raise bad_request(str(e)) from None
         variables = {**st.cfg.chat_template_kwargs, **(kwargs or {})}

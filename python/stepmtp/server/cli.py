@@ -300,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("accepted for compatibility (no effect here)")
     add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
+    add(g, "-bs", "--backend-sampling", "--backend_sampling", dest="_backend_sampling", action="store_true",
+        env="LLAMA_ARG_BACKEND_SAMPLING", help="sampling runs here in Python, on every row a round verifies; the "
+                                                "output is what backend sampling gives")
+    add(g, "--media-path", metavar="PATH", dest="_media_path",
+        help="local media for multimodal requests: this server and Step-3.5-Flash take text only (media "
+             "parts are a 400)")
     add(g, "--offline", dest="_offline", action="store_true", env="LLAMA_OFFLINE",
         help="this server never downloads anything: always offline")
     add(g, "--tags", metavar="STRING", dest="_tags", env="LLAMA_ARG_TAGS",

@@ -266,7 +266,9 @@ class ChatMessage(_Request):
     role: str
     content: Union[str, list[ContentPart], None] = None
 
-    def text(self) -> str:
+    def text(self, sep: str = "\n") -> str:
+        """The content as text: parts joined by ``sep`` (llama.cpp joins a message's
+        parts with a newline, an assistant prefill's with a blank line)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -276,7 +278,7 @@ class ChatMessage(_Request):
             if p.type != "text":
                 raise ValueError(f"content parts of type {p.type!r} are not supported (text only)")
             parts.append(p.text or "")
-        return "\n".join(parts)
+        return sep.join(parts)
 
 
 class ChatCompletionRequest(GenerationFields):
