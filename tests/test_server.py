@@ -291,6 +291,33 @@ def test_completion_stream_concatenates_to_the_whole(client, direct):
     assert final["generation_settings"]["stream"] is True
 
 
+@pytest.mark.parametrize("route", ["/completion", "/v1/completions", "/v1/chat/completions"])
+def test_return_progress(client, direct, route):
+    """stream + return_progress: llama-server's prompt_progress reports, one when the
+    prompt starts (what the cache held) and one per prompt decode, before the tokens."""
+    long = PROMPT * 8
+    body = ({"messages": [{"role": "user", "content": long}]} if "chat" in route else {"prompt": long})
+    body.update(max_tokens=4, n_predict=4, temperature=0, stream=True, return_progress=True, cache_prompt=False)
+    with client.stream("POST", route, json=body) as r:
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    reports = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    assert len(reports) >= 2
+    first, last = reports[0], reports[-1]
+    assert first["cache"] == first["processed"] == 0 and first["total"] > 0
+    assert last["processed"] == last["total"] == first["total"]
+    assert all(b["processed"] > a["processed"] for a, b in zip(reports, reports[1:]))
+    # the reports come before any text, and carry none
+    n_first_text = next(i for i, e in enumerate(events) if "prompt_progress" not in e)
+    assert all("prompt_progress" in e for e in events[:n_first_text])
+    assert not any(e.get("content") or (e.get("choices") or [{}])[0].get("text") for e in events[:n_first_text])
+    if "chat" in route:
+        assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": None} for e in events[:n_first_text])
+    # without it, no reports
+    body["return_progress"] = False
+    with client.stream("POST", route, json=body) as r:
+        assert not any("prompt_progress" in e for e in sse_events(r.iter_lines()) if e != "[DONE]")
+
+
 def test_stop_word(client, direct):
     full = direct["completion"].text
     word = full[10:13]

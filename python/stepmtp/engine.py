@@ -268,7 +268,7 @@ class Engine:
                  sampling: SamplingParams | None, sampling_kw: dict[str, Any],
                  verify: Verify | None = None, cache_prompt: bool = True, n_probs: int = 0,
                  post_sampling_probs: bool = False, preserve_tokens: Sequence[int] = (),
-                 grammar: Any = None, mask_drafts: bool = True) -> Request:
+                 grammar: Any = None, mask_drafts: bool = True, return_progress: bool = False) -> Request:
         self._check_open()
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
@@ -301,21 +301,24 @@ class Engine:
             constraint = c.start()
         return Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt,
                        n_probs=n_probs, post_probs=post_sampling_probs, preserved=frozenset(preserve_tokens),
-                       constraint=constraint, mask_drafts=mask_drafts)
+                       constraint=constraint, mask_drafts=mask_drafts, return_progress=return_progress)
 
     def submit(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                preserve_tokens: Sequence[int] = (), grammar: Any = None, mask_drafts: bool = True,
-               **sampling_kw: Any) -> Request:
+               return_progress: bool = False, **sampling_kw: Any) -> Request:
         """Queue a generation without driving it, for a program that schedules many
         from one thread (the server): ``step()`` makes progress on every queued and
         running one; the returned request's ``chunks`` fill up as tokens are accepted
         and ``done`` turns true with ``completion`` (or ``error``) set. ``cancel``
         drops it. Same arguments as ``generate``; ``preserve_tokens``: special tokens
-        whose text the output keeps (a chat format's markers, for its parser)."""
+        whose text the output keeps (a chat format's markers, for its parser);
+        ``return_progress``: a progress chunk (``Chunk.progress``) after each prompt
+        decode, as llama-server's."""
         req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
-                            n_probs, post_sampling_probs, preserve_tokens, grammar, mask_drafts)
+                            n_probs, post_sampling_probs, preserve_tokens, grammar, mask_drafts,
+                            return_progress)
         self.slots.submit(req)
         return req
 

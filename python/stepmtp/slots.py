@@ -49,6 +49,9 @@ class Chunk:
     finish_reason: str | None = None
     #: with n_probs: each token's probabilities
     probs: list[TokenProbs] = field(default_factory=list)
+    #: a prompt-progress report instead of text (return_progress): llama-server's
+    #: total, cache, processed, time_ms
+    progress: dict[str, int] | None = None
 
 
 @dataclass
@@ -142,8 +145,12 @@ class Request:
     def __init__(self, prompt_tokens: list[int], n_predict: int, stop: Sequence[str],
                  params: SamplingParams, rejection: bool, cache_prompt: bool = True,
                  n_probs: int = 0, post_probs: bool = False, preserved: frozenset[int] = frozenset(),
-                 constraint: "ConstraintState | None" = None, mask_drafts: bool = True) -> None:
+                 constraint: "ConstraintState | None" = None, mask_drafts: bool = True,
+                 return_progress: bool = False) -> None:
         self.id = next(_task_ids)
+        #: report prompt processing as it goes (a progress chunk per prompt decode)
+        self.return_progress = return_progress
+        self._t_prompt = 0.0
         self.prompt_tokens = prompt_tokens
         #: reuse the prefix its slot's KV holds from the slot's last request
         self.cache_prompt = cache_prompt
@@ -174,6 +181,18 @@ class Request:
     @property
     def n_decoded(self) -> int:
         return len(self.out_tokens)
+
+    def report_progress(self) -> None:
+        """llama-server's prompt progress: the prompt's tokens, those the cache held,
+        and those in the KV now (cached included)."""
+        if not self.return_progress:
+            return
+        if not self._t_prompt:
+            self._t_prompt = time.perf_counter()
+        st = self.state
+        self.chunks.append(Chunk("", [], progress={
+            "total": len(self.prompt_tokens), "cache": st.stats.n_prompt_cached, "processed": st.n_prefilled,
+            "time_ms": int((time.perf_counter() - self._t_prompt) * 1e3)}))
 
     def feed(self, tokens: list[int], model: "Model", n_ctx_seq: int) -> None:
         """Take the tokens a round produced: stop at an end-of-generation token, a
@@ -303,7 +322,9 @@ class Slots:
             r = prefilling[self._next_prefill % len(prefilling)]
             self._next_prefill += 1
             try:
-                if drv.prefill(r.state):
+                done = drv.prefill(r.state)
+                r.report_progress()
+                if done:
                     r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
             except KVFullError as e:
                 # as llama-server: idle slots' cached prefixes went first (the driver),
@@ -334,6 +355,7 @@ class Slots:
                     continue
                 self.slots[slot] = req
                 self.last[slot] = req
+                req.report_progress()  # the first: what the cache held
 
     def _pick_slot(self, req: Request) -> int:
         """The free slot for ``req`` (-1: none free)."""

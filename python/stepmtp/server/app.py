@@ -648,7 +648,8 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                                f"({eng.n_ctx} tokens), try increasing it", "exceed_context_size_error",
                                n_prompt_tokens=len(toks), n_ctx=eng.n_ctx)
         gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream, req.cache_prompt,
-                           n_probs, req.post_sampling_probs, grammar=grammar)
+                           n_probs, req.post_sampling_probs, grammar=grammar,
+                           return_progress=stream and req.return_progress)
                 for toks in prompts for _ in range(n_cmpl)]
         settings = F.Settings(
             sampling=sampling, seed=seed_shown, n_predict=n_predict, stop=list(req.stop), stream=stream,
@@ -766,14 +767,19 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
     async def stream_events(job: Job, items: list[tuple[str, Any]],
                             on_chunk: Callable[[Any], list[str]], on_done: Callable[[Completion], list[str]],
-                            done_marker: bool) -> AsyncIterator[str]:
+                            done_marker: bool, progress: Callable[[dict[str, int]], dict[str, Any]] | None = None
+                            ) -> AsyncIterator[str]:
         """SSE text for the job's items: one event per token (llama-server's format),
-        written in batches at most every STREAM_FLUSH_S."""
+        written in batches at most every STREAM_FLUSH_S. ``progress``: the event a
+        prompt-progress report rides on (return_progress), ``prompt_progress`` added."""
         last_flush = 0.0
         out: list[str] = []
         while True:
             for kind, payload in items:
-                if kind == "chunk":
+                if kind == "chunk" and payload.progress is not None:
+                    if progress is not None:
+                        out.append(F.sse({**progress(payload.progress), "prompt_progress": payload.progress}))
+                elif kind == "chunk":
                     out.extend(on_chunk(payload))
                 elif kind == "done":
                     out.extend(on_done(payload))
@@ -845,7 +851,9 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             info.prompt_text = eng.model.detokenize(c.prompt_tokens, unparse_special=True)
             return [F.sse(_select_fields(F.native_final(c, info, stream=True), req.response_fields))]
 
-        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
+        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False,
+                                         progress=lambda p: F.native_partial("", [], 0, n_prompt, info=info)),
+                           job.cancel)
 
     # -- POST /v1/completions: OpenAI's completions ---------------------------------
 
@@ -885,7 +893,8 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         def on_done(c: Completion) -> list[str]:
             return [F.sse(F.oai_completion_final_chunk(c, info))]
 
-        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True), job.cancel)
+        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True,
+                                         progress=lambda p: F.oai_completion_chunk("", info)), job.cancel)
 
     # -- POST /v1/chat/completions: OpenAI's chat -------------------------------------
 
@@ -946,7 +955,10 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             out.extend(F.sse(x) for x in F.oai_chat_final_chunks(c, info, include_usage, reason))
             return out
 
-        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True), job.cancel)
+        # llama-server sends the role delta with every progress report
+        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True,
+                                         progress=lambda p: F.oai_chat_chunk({"role": "assistant", "content": None},
+                                                                             info)), job.cancel)
 
     async def chat_tokens(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, list[int]]:
         """A chat request's prompt tokens, and how to read its output back."""

@@ -127,6 +127,8 @@ class GenerationFields(_Request):
     n_cmpl: Optional[Int] = Field(None, ge=1, description="Completions per prompt (also 'n')")
     n: Optional[Int] = Field(None, ge=1)
     return_tokens: bool = False
+    #: stream: prompt_progress reports while the prompt is decoded (llama-server's)
+    return_progress: bool = False
     # accepted, no effect here
     cache_prompt: bool = True
     timings_per_token: bool = False

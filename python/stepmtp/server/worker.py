@@ -101,6 +101,8 @@ class GenRequest:
     post_probs: bool = False
     #: special tokens kept as text (a chat format's markers)
     preserved: frozenset[int] = frozenset()
+    #: stream prompt-progress reports (llama-server's return_progress)
+    return_progress: bool = False
     #: constrained decoding (a compiled grammar.Constraint)
     grammar: Any = None
 
@@ -254,7 +256,8 @@ class Worker:
             handle = self.engine.submit(req.prompt_tokens, n_predict=req.n_predict, stop=req.stop,
                                         sampling=req.sampling, cache_prompt=req.cache_prompt,
                                         n_probs=req.n_probs, post_sampling_probs=req.post_probs,
-                                        preserve_tokens=req.preserved, grammar=req.grammar)
+                                        preserve_tokens=req.preserved, grammar=req.grammar,
+                                        return_progress=req.return_progress)
         except BaseException as e:  # noqa: BLE001 - reported to the request
             self._not_waiting(job.id)
             self._finish(job, None, e, 0)
