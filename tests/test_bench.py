@@ -589,7 +589,7 @@ def test_interrupt_leaves_no_server(tmp_path):
     pid = int(p.stdout.readline())
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=30)
+    out, _ = p.communicate(timeout=90)  # a loaded machine: the servers stop within 2 x 15 s
     assert "interrupted" in out
     import os
 
