@@ -628,3 +628,39 @@ def test_llama_server_gets_our_kv_layout(tmp_path):
     argv = r.process.argv
     assert argv[0] == str(exe) and "--swa-full" not in argv
     assert argv[argv.index("--spec-draft-n-max") + 1] == "2"
+
+
+def test_gpu_backends_report_agreement(prompts, monkeypatch, capsys):
+    """Texts that part at temperature 0 fail the bench (exit 3) on the CPU backend; on a
+    GPU backend, where kernels differ by batch size, it reports how far they agree."""
+    import argparse
+
+    from stepmtp.bench import __main__ as M
+    from stepmtp.bench.harness import agreement
+    from stepmtp.bench.runners import Runner
+
+    class Fixed(Runner):
+        def __init__(self, label: str, tokens_by_cat: dict[str, list[int]]):
+            self.config = BenchConfig.parse(label)
+            self.by_cat = tokens_by_cat
+
+        def run(self, category, prompt, n_predict):
+            toks = self.by_cat[category]
+            return Result(category, self.config.label, " ".join(map(str, toks)), 3, len(toks), 0, 0, None, None,
+                          gen_ms=1.0, prompt_ms=0.0, wall_s=0.01, tokens=list(toks))
+
+    same = {c: [10, 11, 12, 13] for c in CATS}
+    parted = dict(same, **{CATS[0]: [10, 11, 99, 13]})
+    run = run_bench(prompts, [Fixed("none", same), Fixed("chain-3", parted)], warmup=0, progress=False)
+    assert [(m.label, m.category, m.token_at) for m in run.mismatches] == [("chain-3", CATS[0], 2)]
+    a = agreement(run)["chain-3"]
+    assert a["identical"] == round(2 / 3, 4) and a["tokens_until_difference"] == [2] and a["differing"] == 1
+    args = argparse.Namespace(quiet=True, out=None, json=None, markdown=None, chart=None, baseline=None,
+                              update_baseline=False, tolerance=None)
+    monkeypatch.setattr(M, "gpu_backend", lambda: False)
+    assert M.report(run, args, None) == 3
+    assert "MISMATCH" in capsys.readouterr().err
+    monkeypatch.setattr(M, "gpu_backend", lambda: True)
+    assert M.report(run, args, None) == 0
+    err = capsys.readouterr().err
+    assert "chain-3: 67% of prompts identical; the others part after 2 tokens" in err

@@ -39,6 +39,8 @@ class Mismatch:
     reference: str
     #: first differing character
     at: int
+    #: first differing token (None when a backend does not return tokens)
+    token_at: int | None = None
 
 
 @dataclass
@@ -92,7 +94,24 @@ class Progress:
             print("\r" + " " * 150 + "\r", end="", file=self.stream, flush=True)
 
 
-def _first_diff(a: str, b: str) -> int:
+def agreement(run: "BenchRun") -> dict[str, dict[str, Any]]:
+    """How far each temperature-0 configuration agrees with the first one, for backends
+    whose kernels legitimately round differently with the rows a decode carries (GPU):
+    the share of prompts with identical text, and the tokens (or characters, when a
+    backend returns no tokens) until the first difference of those that differ."""
+    greedy = [c for c in run.configs if c.config.temperature == 0]
+    out: dict[str, dict[str, Any]] = {}
+    for c in greedy[1:]:
+        diffs = [m for m in run.mismatches if m.label == c.label]
+        n = len(c.results)
+        tok = [m.token_at for m in diffs if m.token_at is not None]
+        out[c.label] = {"identical": round((n - len(diffs)) / n, 4) if n else 1.0, "differing": len(diffs),
+                        "tokens_until_difference": sorted(tok) if len(tok) == len(diffs) else None,
+                        "chars_until_difference": sorted(m.at for m in diffs)}
+    return out
+
+
+def _first_diff(a: Sequence[Any], b: Sequence[Any]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -182,5 +201,7 @@ def check_texts(run: BenchRun) -> list[Mismatch]:
     for c in greedy[1:]:
         for a, b in zip(ref.results, c.results):
             if a.text != b.text:
-                out.append(Mismatch(a.category, c.label, ref.label, _first_diff(a.text, b.text)))
+                at_tok = (_first_diff(a.tokens, b.tokens) if a.tokens is not None and b.tokens is not None
+                          else None)
+                out.append(Mismatch(a.category, c.label, ref.label, _first_diff(a.text, b.text), at_tok))
     return out

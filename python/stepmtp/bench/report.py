@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .harness import BenchRun, ConfigRun
+from .harness import BenchRun, ConfigRun, agreement
 from .runners import SAMPLING_SEED, BenchConfig, Result
 
 __all__ = ["request_line", "aggregate", "prompt_cost", "config_block", "ratios", "markdown", "to_json", "write_chart",
@@ -256,6 +256,7 @@ def to_json(run: BenchRun) -> dict[str, Any]:
         "wall_s": round(run.wall_s, 3),
         "identical_outputs": not run.mismatches,
         "mismatches": [m.__dict__ for m in run.mismatches],
+        "agreement": agreement(run),
         "configs": [
             {**c.config.to_dict(), "description": c.config.describe(), "info": c.info,
              "aggregate": rat[c.label], "unstable": c.unstable,

@@ -232,6 +232,8 @@ class Result:
     target_rows: int | None = None
     draft_rows: int | None = None
     t_python_ms: float | None = None
+    #: the generated tokens (in-process; None where a backend does not return them)
+    tokens: list[int] | None = None
     #: decodes the prompt took (in-process)
     prompt_target_decodes: int | None = None
     prompt_draft_decodes: int | None = None
@@ -358,7 +360,8 @@ class EngineRunner(Runner):
             gen_ms=st.t_gen_ms, prompt_ms=st.t_prompt_ms, wall_s=wall, rounds=st.n_rounds,
             target_decodes=st.n_target_decodes, draft_decodes=st.n_draft_decodes,
             target_rows=st.n_target_rows, draft_rows=st.n_draft_rows, t_python_ms=st.t_python_ms,
-            prompt_target_decodes=st.n_prompt_target_decodes, prompt_draft_decodes=st.n_prompt_draft_decodes)
+            prompt_target_decodes=st.n_prompt_target_decodes, prompt_draft_decodes=st.n_prompt_draft_decodes,
+            tokens=list(out.tokens))
 
     def close(self) -> None:
         if self.engine is not None:
