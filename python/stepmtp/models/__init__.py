@@ -22,6 +22,8 @@ from typing import Iterable, Sequence
 __all__ = [
     "DEFAULT_MODEL_FILE",
     "EVAL_PROMPTS",
+    "OUT_OF_CORPUS_FILES",
+    "OUT_OF_CORPUS_PROMPTS",
     "default_model_path",
     "split_model",
     "default_split_paths",
@@ -155,6 +157,112 @@ EVAL_PROMPTS: tuple[str, ...] = (
         '    multiple occurrences.  Long and short options may be mixed.\n'
         '\n'
         '    """'
+    ),
+)
+
+#: Standard-library modules held out of the default model's training, by name (paths
+#: under CPython's ``Lib/``): none is in the trunk's corpus (the first files by name up
+#: to ``lzma.py``) and the training script leaves them out of the heads' data too.
+OUT_OF_CORPUS_FILES: tuple[str, ...] = (
+    "textwrap.py", "shlex.py", "string.py", "statistics.py", "quopri.py",
+    "pprint.py", "tabnanny.py", "reprlib.py", "json/decoder.py",
+)
+
+#: Prompts from Python the model was not trained on, one per :data:`OUT_OF_CORPUS_FILES`
+#: module (CPython 3.11's text, embedded here so that the set is the same on every
+#: Python): a ``def`` line and its docstring, or its first lines, as a user would
+#: prompt it with code of their own.
+OUT_OF_CORPUS_PROMPTS: tuple[str, ...] = (
+    # textwrap.py
+    (
+        'def dedent(text):\n'
+        '    """Remove any common leading whitespace from every line in `text`.\n'
+        '\n'
+        '    This can be used to make triple-quoted strings line up with the left\n'
+        '    edge of the display, while still presenting them in the source code\n'
+        '    in indented form.\n'
+        '\n'
+        '    Note that tabs and spaces are both treated as whitespace, but they\n'
+        '    are not equal: the lines "  hello" and "\\\\thello" are\n'
+        '    considered to have no common leading whitespace.\n'
+        '\n'
+        '    Entirely blank lines are normalized to a newline character.\n'
+        '    """'
+    ),
+    # shlex.py
+    (
+        'def quote(s):\n'
+        '    """Return a shell-escaped version of the string *s*."""'
+    ),
+    # string.py
+    (
+        'def capwords(s, sep=None):\n'
+        '    """capwords(s [,sep]) -> string\n'
+        '\n'
+        '    Split the argument into words using split, capitalize each\n'
+        '    word using capitalize, and join the capitalized words using\n'
+        '    join.  If the optional second argument sep is absent or None,\n'
+        '    runs of whitespace characters are replaced by a single space\n'
+        '    and leading and trailing whitespace are removed, otherwise\n'
+        '    sep is used to split and join the words.\n'
+        '\n'
+        '    """'
+    ),
+    # statistics.py
+    (
+        'def median(data):\n'
+        '    """Return the median (middle value) of numeric data.\n'
+        '\n'
+        '    When the number of data points is odd, return the middle data point.\n'
+        '    When the number of data points is even, the median is interpolated by\n'
+        '    taking the average of the two middle values:\n'
+        '\n'
+        '    >>> median([1, 3, 5])\n'
+        '    3\n'
+        '    >>> median([1, 3, 5, 7])\n'
+        '    4.0\n'
+        '\n'
+        '    """'
+    ),
+    # quopri.py
+    (
+        'def encode(input, output, quotetabs, header=False):\n'
+        '    """Read \'input\', apply quoted-printable encoding, and write to \'output\'.\n'
+        '\n'
+        "    'input' and 'output' are binary file objects. The 'quotetabs' flag\n"
+        '    indicates whether embedded tabs and spaces should be quoted. Note that\n'
+        '    line-ending tabs and spaces are always encoded, as per RFC 1521.\n'
+        "    The 'header' flag indicates whether we are encoding spaces as _ as per RFC\n"
+        '    1522."""'
+    ),
+    # pprint.py
+    (
+        'def pformat(object, indent=1, width=80, depth=None, *,\n'
+        '            compact=False, sort_dicts=True, underscore_numbers=False):\n'
+        '    """Format a Python object into a pretty-printed representation."""'
+    ),
+    # tabnanny.py
+    (
+        'def check(file):\n'
+        '    """check(file_or_dir)\n'
+        '\n'
+        '    If file_or_dir is a directory and not a symbolic link, then recursively\n'
+        '    descend the directory tree named by file_or_dir, checking all .py files\n'
+        '    along the way. If file_or_dir is an ordinary Python source file, it is\n'
+        '    checked for whitespace related problems. The diagnostic messages are\n'
+        '    written to standard output using the print statement.\n'
+        '    """'
+    ),
+    # reprlib.py
+    (
+        "def recursive_repr(fillvalue='...'):\n"
+        "    'Decorator to make a repr function return fillvalue for a recursive call'"
+    ),
+    # json/decoder.py
+    (
+        'def JSONArray(s_and_end, scan_once, _w=WHITESPACE.match, _ws=WHITESPACE_STR):\n'
+        '    s, end = s_and_end\n'
+        '    values = []'
     ),
 )
 

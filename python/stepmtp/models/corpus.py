@@ -145,6 +145,33 @@ def corpus_files(budget_bytes: int = CORPUS_BUDGET_BYTES, max_file_bytes: int = 
     return out
 
 
+#: Directories of the standard library the heads' data leaves out: tests, installed
+#: third-party packages, caches, and two of data rather than code (codec tables,
+#: pydoc's topic texts).
+HEAD_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
+)
+
+
+def head_corpus_files(exclude: Iterable[str] = (), root: Path | None = None) -> list[Path]:
+    """The heads' data (the default model's phase 2): every ``*.py`` of the standard
+    library, packages included, sorted by path, without :data:`HEAD_EXCLUDED_DIRS`,
+    the ``config-*`` directory, the ``_sysconfigdata*`` modules and the files named
+    in ``exclude`` (paths relative to the library, ``/``-separated: the held-out
+    evaluation modules, ``stepmtp.models.OUT_OF_CORPUS_FILES``)."""
+    root = stdlib_dir() if root is None else root
+    skip = set(exclude)
+    out: list[Path] = []
+    for p in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        rel = p.relative_to(root)
+        if rel.as_posix() in skip or p.name.startswith("_sysconfigdata"):
+            continue
+        if any(d in HEAD_EXCLUDED_DIRS or d.startswith("config-") for d in rel.parts[:-1]):
+            continue
+        out.append(p)
+    return out
+
+
 def read_corpus(files: Iterable[Path]) -> list[tuple[str, str]]:
     """``[(file name, text)]``; texts are decoded as UTF-8 with newlines kept as they are."""
     return [(p.name, p.read_bytes().decode("utf-8")) for p in files]
