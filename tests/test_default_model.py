@@ -10,6 +10,7 @@ README's table, tools/cpu_variants.sh).
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ from stepmtp import Engine, Model
 from stepmtp.models import (
     DEFAULT_MODEL_FILE,
     EVAL_PROMPTS,
+    OUT_OF_CORPUS_FILES,
+    OUT_OF_CORPUS_PROMPTS,
     default_model_path,
     measure_acceptance,
     split_model,
@@ -27,6 +30,25 @@ from stepmtp.models import (
 from stepmtp.models import corpus as C
 
 N_PREDICT = 160
+
+# Statistical bars, about 20% below the lowest of two builds of this tree on this
+# project's machine (AMD EPYC, AVX2): two llama.cpp/driver builds whose greedy texts
+# differ in 9 of the 18 completions, so two sets of counts (README, "The bundled model"):
+#                               held-in          out-of-corpus
+#   chain n-max 3 rate          0.559 .. 0.565   0.470 .. 0.506
+#   chain 3 - single 3          0.148 .. 0.173   0.130 .. 0.144
+#   chain 2 - single 2          0.104 .. 0.120   0.087 .. 0.089
+#   depth 1, every run          0.727 .. 0.761   0.643 .. 0.696
+#   chain n-max 3 depth 2       0.536 .. 0.541   0.443 .. 0.473
+#   chain n-max 3 depth 3       0.413 .. 0.427   0.326 .. 0.375
+# The previous heads measured 0.468 .. 0.523 held-in across five CPU builds (chain n-max
+# 3), so other CPUs may land lower than these two builds. The bars still fail when the
+# heads stop predicting (rates near 0) or chaining stops helping (the single head looped
+# accepts 0.28 .. 0.33 at depth 2 and 0.09 .. 0.15 at depth 3).
+BARS = {
+    "held-in": dict(chain3=0.45, diff3=0.12, diff2=0.08, d1=0.58, d2=0.43, d3=0.33),
+    "out-of-corpus": dict(chain3=0.37, diff3=0.10, diff2=0.07, d1=0.51, d2=0.35, d3=0.26),
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +65,11 @@ def split(path, tmp_path_factory) -> dict[str, Path]:
 def bench(path):
     # one thread: the model is small, and spinning threads fight over a busy machine
     return measure_acceptance(path, EVAL_PROMPTS, n_predict=N_PREDICT, n_threads=1)
+
+
+@pytest.fixture(scope="module")
+def bench_ooc(path):
+    return measure_acceptance(path, OUT_OF_CORPUS_PROMPTS, n_predict=N_PREDICT, n_threads=1)
 
 
 def test_bundled_file(path):
@@ -152,10 +179,10 @@ def test_writes_python(bench):
     assert parsed >= len(texts) // 2
 
 
-def test_acceptance_bars(bench):
-    # exact in any build: the counts add up, every run drafts depths 1..n-max equally
-    # often and none deeper, a depth is accepted only after the one before it, and
-    # speculation never changes the greedy text
+def _exact_checks(bench) -> None:
+    """What holds in any build: the counts add up, every run drafts depths 1..n-max
+    equally often and none deeper, a depth is accepted only after the one before it,
+    and speculation never changes the greedy text."""
     texts = bench[("chain", 3)]["texts"]
     for (mode, n_max), r in bench.items():
         assert r["accepted"] == sum(r["accepted_per_depth"])
@@ -165,26 +192,52 @@ def test_acceptance_bars(bench):
         assert apd[0] >= apd[1] >= apd[2], (mode, n_max, apd)
         assert r["texts"] == texts, (mode, n_max)
 
-    # Statistical bars, measured with builds for several x86 feature levels on one machine
-    # (native = AVX2, AVX2 without llamafile's sgemm, AVX, SSE4.2: four different sets
-    # of counts) and an AVX-512 build on another (chain n-max 3 0.474, single n-max 2 0.460):
-    #   chain n-max 3 rate          0.468 .. 0.523   (native 0.505)
-    #   chain 3 - single 3          0.134 .. 0.165
-    #   chain 2 - single 2          0.085 .. 0.119
-    #   chain n-max 3 per depth     d1 0.649 .. 0.700, d2 0.439 .. 0.493, d3 0.314 .. 0.377
-    #   depth 1, every run          0.649 .. 0.727
-    # Each bar is the lowest value seen less the spread seen (highest - lowest), rounded
-    # down to a multiple of 0.05: an unmeasured build may land that much lower again.
-    # They still fail when the heads stop predicting (rates near 0) or chaining stops
-    # helping (the single head looped accepts 0.21 .. 0.29 at depth 2, 0.06 .. 0.08 at 3).
-    chain3, single3 = bench[("chain", 3)], bench[("single", 3)]
-    chain2, single2 = bench[("chain", 2)], bench[("single", 2)]
-    assert chain3["rate"] >= 0.40, chain3
-    assert chain3["rate"] - single3["rate"] >= 0.1, (chain3["rate"], single3["rate"])
-    assert chain2["rate"] - single2["rate"] >= 0.05, (chain2["rate"], single2["rate"])
-    # each head really predicts: head 0 guesses the next token in every run; chained,
-    # heads 1 and 2 keep a real share at depths 2 and 3
+
+def _depth_rates(r) -> list[float]:
+    return [a / n for a, n in zip(r["accepted_per_depth"], r["drafted_per_depth"]) if n]
+
+
+def _check_bars(bench, chain3: float, diff3: float, diff2: float, d1: float, d2: float, d3: float) -> None:
+    """The statistical bars (see BARS): chain n-max 3's rate, what chaining adds over the
+    looped single head at n-max 3 and 2; head 0 guesses the next token in every run and,
+    chained, heads 1 and 2 keep a real share at depths 2 and 3."""
+    c3, s3, c2, s2 = (bench[k] for k in (("chain", 3), ("single", 3), ("chain", 2), ("single", 2)))
+    assert c3["rate"] >= chain3, c3
+    assert c3["rate"] - s3["rate"] >= diff3, (c3["rate"], s3["rate"])
+    assert c2["rate"] - s2["rate"] >= diff2, (c2["rate"], s2["rate"])
     for key, r in bench.items():
-        assert r["accepted_per_depth"][0] / r["drafted_per_depth"][0] > 0.55, key
-    rates = [a / n for a, n in zip(chain3["accepted_per_depth"], chain3["drafted_per_depth"])]
-    assert rates[1] > 0.35 and rates[2] > 0.25, rates
+        assert _depth_rates(r)[0] > d1, key
+    rates = _depth_rates(c3)
+    assert rates[1] > d2 and rates[2] > d3, rates
+
+
+def test_acceptance_bars(bench):
+    _exact_checks(bench)
+    _check_bars(bench, **BARS["held-in"])
+
+
+def test_out_of_corpus_set(path):
+    """The second prompt set is Python the model was not trained on: its modules are
+    in neither the trunk's corpus nor the heads' data (the file says what they left
+    out), and each prompt is its module's text where this Python has the module."""
+    assert len(OUT_OF_CORPUS_PROMPTS) == len(OUT_OF_CORPUS_FILES) == 9
+    assert not set(OUT_OF_CORPUS_PROMPTS) & set(EVAL_PROMPTS)
+    trunk = {p.name for p in C.corpus_files()}
+    root = C.stdlib_dir()
+    heads = {p.relative_to(root).as_posix() for p in C.head_corpus_files(OUT_OF_CORPUS_FILES)}
+    for name, prompt in zip(OUT_OF_CORPUS_FILES, OUT_OF_CORPUS_PROMPTS):
+        assert name not in trunk and name not in heads, name
+        assert prompt.startswith("def ") and not prompt.endswith("\n"), name
+        if (root / name).is_file():
+            assert prompt in (root / name).read_text(encoding="utf-8"), name
+    r = gguf.GGUFReader(str(path))
+    data = json.loads(r.fields["stepmtp.heads_data"].contents())
+    assert data["held_out"] == list(OUT_OF_CORPUS_FILES)
+    assert data["files"] > 500 and data["onpolicy_seqs"] > 1000, data
+
+
+def test_out_of_corpus_bars(bench_ooc):
+    """Acceptance on Python the model was not trained on. The heads reach 0.47 .. 0.51
+    at chain n-max 3 there, not the 0.55 issue 17 asked for (the README's table)."""
+    _exact_checks(bench_ooc)
+    _check_bars(bench_ooc, **BARS["out-of-corpus"])
