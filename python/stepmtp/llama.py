@@ -50,6 +50,9 @@ def _gpu_layers(n: int | str) -> int:
     return int(n)
 
 
+#: llama.h's LLAMA_STATE_SEQ_FLAGS_SWA_ONLY: a sequence's sliding-window cells alone
+_SWA_ONLY = 1
+
 _KV_TYPES = {"f32": "GGML_TYPE_F32", "f16": "GGML_TYPE_F16", "bf16": "GGML_TYPE_BF16",
              "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 
@@ -457,9 +460,9 @@ class Context(_Closing):
             chosen per decode through ``mtp_offset``).
         swa_full: keep a full-size sliding-window cache (llama-server's ``--swa-full``).
             Off by default, as in llama-server: sliding-window layers keep the window
-            plus one ubatch of cells. Rolling back speculative rows stays exact as
-            long as every decode carrying rows that may be removed fits one ubatch
-            (the cells such a decode overwrites are masked for every later position).
+            plus one ubatch of cells, each position in the cell its position gives
+            (patch 0008), so rolled-back speculative rows are rewritten where plain
+            decoding puts them (``swa_rows`` bounds a decode's rows per sequence).
         flash_attn: True, False, or None (llama.cpp decides).
         type_k, type_v: KV cache types, as llama.cpp's -ctk / -ctv ("f16", "f32",
             "bf16", "q8_0", "q4_0"; quantized V needs flash attention).
@@ -540,9 +543,6 @@ class Context(_Closing):
         #: of a unified cache; R - n_swa rows fit beyond the window): the cache's size
         #: as llama_kv_cache_iswa computes it
         self.swa_rows: int = 1 << 30
-        #: the cells of a sequence's region in that cache (R): position p overwrites
-        #: p - R only
-        self.swa_region: int = 1 << 30
         #: the sliding-window layers keep fewer cells than the context (not swa_full,
         #: and a context longer than the window plus a ubatch): positions get overwritten
         self.swa_trimmed = False
@@ -550,9 +550,9 @@ class Context(_Closing):
             n_reg = self.n_seq_max if kv_unified else 1
             cells = -(-min(self.n_ctx_seq, model.n_swa * n_reg + self.n_ubatch) // 256) * 256
             if cells < self.n_ctx_seq:
+                # a sequence's region of R cells: position p overwrites p - R only
                 self.swa_trimmed = True
-                self.swa_region = cells // n_reg
-                self.swa_rows = max(1, self.swa_region - model.n_swa)
+                self.swa_rows = max(1, cells // n_reg - model.n_swa)
         self.n_vocab = model.n_vocab
         self.n_embd = model.n_embd
         self._nextn = (False, False)
@@ -685,14 +685,14 @@ class Context(_Closing):
         """The sequence's KV as llama.cpp serialises it; ``swa_only``: the
         sliding-window layers' cells alone (a context checkpoint: what cannot be
         rebuilt by removing positions from the full-attention layers)."""
-        flags = 1 if swa_only else 0  # LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+        flags = _SWA_ONLY if swa_only else 0
         n = lib.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         buf = ffi.new("uint8_t[]", max(1, n))
         got = lib.llama_state_seq_get_data_ext(self.ptr, buf, n, seq, flags)
         return ffi.buffer(buf, got)[:]
 
     def set_seq_state(self, seq: int, data: bytes, *, swa_only: bool = False) -> None:
-        flags = 1 if swa_only else 0
+        flags = _SWA_ONLY if swa_only else 0
         if not lib.llama_state_seq_set_data_ext(self.ptr, data, len(data), seq, flags):
             raise LlamaError(f"could not load a sequence state of {len(data)} bytes into sequence {seq}")
 

@@ -319,17 +319,23 @@ class MTPDriver:
     CHECKPOINT_OFFSETS = (32, 4)
 
     @staticmethod
+    def _head_plan(spec: SpecConfig, n_heads: int) -> tuple[list[int], list[int]]:
+        """(the heads a round drafts with, the heads the reference schedule
+        re-anchors): the first n_draft and every head when chaining, head 0 else."""
+        if spec.mode != "chain":
+            return [0], [0]
+        n_draft = spec.draft_length(n_heads) if spec.n_max > 0 else 0
+        return list(range(min(n_draft, n_heads))), list(range(n_heads))
+
+    @staticmethod
     def heads_used(spec: SpecConfig, n_heads: int) -> list[int]:
-        """The heads a driver with these settings decodes: the first n_draft when
-        chaining (every head with the reference schedule, which re-anchors all of
-        them each round), head 0 alone in single mode, none without speculation."""
+        """The heads a driver with these settings decodes (the draft contexts it
+        needs): those it drafts with, and with the reference schedule those it
+        re-anchors; none without speculation."""
         if spec.mode == "none" or spec.n_max == 0 or n_heads == 0:
             return []
-        if spec.mode == "single":
-            return [0]
-        if spec.schedule == "reference":
-            return list(range(n_heads))
-        return list(range(min(spec.draft_length(n_heads), n_heads)))
+        heads, process = MTPDriver._head_plan(spec, n_heads)
+        return sorted(set(heads) | set(process)) if spec.schedule == "reference" else heads
 
     def __init__(self, target: Context, drafts: "list[Context | None] | None", spec: SpecConfig, *,
                  n_seq: int = 1, debug: bool = False, cache_ram: int = 0, checkpoints: int = 32) -> None:
@@ -344,11 +350,9 @@ class MTPDriver:
         self.n_heads = live[0].model.n_mtp_blocks if live else 0
         self.n_draft = spec.draft_length(self.n_heads) if self.speculate else 0
         self.fused = spec.schedule == "fused"
-        # the heads a round can use: the first n_draft when chaining, head 0 alone when
-        # it is the only one; the others are never decoded (nor anchored)
-        self.heads = list(range(min(self.n_draft, self.n_heads))) if spec.mode == "chain" else [0]
-        # the change's schedule re-anchors every head, used or not, each round
-        self.process_heads = list(range(self.n_heads)) if spec.mode == "chain" else [0]
+        # the heads a round can use (the others are never decoded, nor anchored, in the
+        # fused schedule); the change's schedule re-anchors every head each round
+        self.heads, self.process_heads = self._head_plan(spec, self.n_heads)
         for k in self.heads_used(spec, self.n_heads) if self.speculate else []:
             d = self.drafts[k] if k < len(self.drafts) else None
             if d is None or d.mtp_block not in (None, k):
@@ -359,8 +363,7 @@ class MTPDriver:
         # a decode's rows per sequence stay within what a trimmed sliding-window cache
         # places by position (see the module's docstring)
         self.n_chunk = min([target.n_batch, target.swa_rows] + [min(d.n_batch, d.swa_rows) for d in live])
-        self.swa_trimmed = target.swa_trimmed
-        self.n_checkpoints = checkpoints if self.swa_trimmed else 0
+        self.n_checkpoints = checkpoints if target.swa_trimmed else 0
         # rows one sequence may put in a shared decode: every sequence's rows must fit
         self.n_rows_seq = self.n_chunk // n_seq
         if self.n_rows_seq <= self.n_draft + 1:
@@ -372,7 +375,6 @@ class MTPDriver:
         target.set_nextn(self.speculate, masked=False)
         for d in live:
             d.set_nextn(True, masked=True)
-        self._dlast: Context | None = None  # the draft context of the last draft decode
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
         self._need_p = spec.p_min > 0 or debug
         # adaptive length: the cost of a round of each length, shared by the sequences
@@ -408,14 +410,15 @@ class MTPDriver:
                 st.n_draft_rows += rows
                 st.n_prompt_draft_decodes += s.prefilling
 
-    def _decode_draft(self, d: Context, batch: Batch, seqs: list[SeqState]) -> None:
-        """A draft-context decode; a full cache first evicts idle slots' prefixes (a
-        head's cells are as many as the target's: it fills up with it). KVFullError
-        when still full: the callers treat the heads as best effort (a round drafts
-        less, a head loses its KV and starts over), the target decides who fails."""
+    def _decode_evicting(self, ctx: Context, batch: Batch, seqs: list[SeqState]) -> None:
+        """A decode that, finding the cache full, first evicts idle slots' cached
+        prefixes (least recently used first) and tries again; KVFullError when none
+        is left. For the heads (their cells are as many as the target's: they fill up
+        with it) the callers are best effort: a round drafts less, a head loses its KV
+        and starts over; the target decides who fails."""
         while True:
             try:
-                self._decode(d, batch, seqs)
+                self._decode(ctx, batch, seqs)
                 return
             except KVFullError:
                 if not self.evict_lru():
@@ -448,7 +451,7 @@ class MTPDriver:
         n_keep = min(shared, len(prompt) - 1)
         ck = None
         n_swa = self.target.model.n_swa
-        if n_keep >= 2 and self.swa_trimmed and \
+        if n_keep >= 2 and self.target.swa_trimmed and \
                 max(0, n_keep - redo - n_swa + 1) < self.target.seq_pos_min(s.seq_id):
             # the window before the first position to decode may be overwritten: go
             # on from the checkpoint that reaches furthest, or from the start
@@ -653,13 +656,7 @@ class MTPDriver:
         chunk = s.prompt[a : a + size]
         last = a + len(chunk) == n
         self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
-        while True:
-            try:
-                self._decode(self.target, self.tbatch, [s])
-                break
-            except KVFullError:
-                if not self.evict_lru():  # idle slots' cached prefixes give way first
-                    raise
+        self._decode_evicting(self.target, self.tbatch, [s])
         end = a + len(chunk)
         if self.n_checkpoints and n - end in self.CHECKPOINT_OFFSETS and end >= 2 and \
                 not any(x.q == end - 1 for x in s.checkpoints):
@@ -927,7 +924,7 @@ class MTPDriver:
             for s, _, p0, _ in items:
                 d.seq_rm(s.seq_id, p0)
             try:
-                self._decode_draft(d, b, seqs)
+                self._decode_evicting(d, b, seqs)
             except KVFullError:
                 # no room: the head starts over on these sequences (a later decode may
                 # start anywhere in an empty sequence, not after a gap)
@@ -945,16 +942,17 @@ class MTPDriver:
             active = self._drafting(seqs, i)
             if not active:
                 break
-            b.clear()
             k = i if self.spec.mode == "chain" else 0
             d = self.drafts[k]
-            before = [(s, list(s.kv_valid), list(s.kv_end)) for s in active]
-            if self.spec.mode == "chain" or i == 0:
+            head_step = self.spec.mode == "chain" or i == 0
+            if head_step:
                 for s in active:
                     # rows [kv_valid[k], r]: anchored; the last one is id_last@r with pending_h
                     self._catch_up(s, keep=self.n_rows_seq - 1 - i, heads=[k])
-                b.clear()  # a catch-up decode left its rows in the batch
-                before = [(s, list(s.kv_valid), list(s.kv_end)) for s in active]
+            b.clear()  # after the catch-ups: their decodes fill the same batch
+            # head k's bookkeeping before this step's decode, should it find no room
+            before = [(s, s.kv_valid[k], s.kv_end[k]) for s in active]
+            if head_step:
                 for s in active:
                     A = s.anchors
                     a0 = s.kv_valid[k] - A.start
@@ -971,7 +969,7 @@ class MTPDriver:
                 self._grow_single(active, i)
             if not self._decode_step(d, active, i):
                 for s, valid, end in before:  # nothing of the batch was decoded
-                    s.kv_valid[:], s.kv_end[:] = valid, end
+                    s.kv_valid[k], s.kv_end[k] = valid, end
                 break
         for s in seqs:
             s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
@@ -1005,7 +1003,7 @@ class MTPDriver:
                 self._trim(s, k)
                 b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], s.seq_id, outputs="none", embd=A.h[a0 : a0 + m])
                 try:
-                    self._decode_draft(d, b, [s])
+                    self._decode_evicting(d, b, [s])
                 except KVFullError:
                     return  # the rows wait in the anchors for a decode with room
                 s.kv_valid[k] += m
@@ -1033,19 +1031,18 @@ class MTPDriver:
     def _decode_step(self, d: Context, active: list[SeqState], i: int) -> bool:
         """Run draft step i's decode (on head context ``d``) and take each sequence's
         draft token; False when the heads' cache has no room (drafting stops there)."""
-        self._dlast = d
         try:
-            self._decode_draft(d, self.dbatch, active)
+            self._decode_evicting(d, self.dbatch, active)
         except KVFullError:
             return False
         for s in active:
-            self._take_draft(s, i)
+            self._take_draft(d, s, i)
         return True
 
-    def _take_draft(self, s: SeqState, i: int) -> None:
+    def _take_draft(self, d: Context, s: SeqState, i: int) -> None:
         """Take draft token i from the sequence's output row of the last draft
         decode, unless it is below p_min (which ends the sequence's drafting)."""
-        tok, p, h = self._pick(s, i)
+        tok, p, h = self._pick(d, s, i)
         if p < self.spec.p_min:
             return
         c = s.constraint
@@ -1057,11 +1054,12 @@ class MTPDriver:
         s.drafts.append(tok)
         s.chain_h[i] = h
 
-    def _pick(self, s: SeqState, i: int) -> tuple[int, float, np.ndarray]:
-        """Draft token i from the last decode, its probability, and its hidden row."""
+    def _pick(self, d: Context, s: SeqState, i: int) -> tuple[int, float, np.ndarray]:
+        """Draft token i from the last decode (on head context ``d``), its
+        probability, and its hidden row."""
         t0 = time.perf_counter()
-        logits = self._dlast.logits(s.row)
-        h = self._dlast.nextn_ith(s.row)
+        logits = d.logits(s.row)
+        h = d.nextn_ith(s.row)
         s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
         c = s.constraint
         if c is not None and s.mask_drafts:
