@@ -177,7 +177,7 @@ def markdown(run: BenchRun) -> str:
     out += ["", "Per round: the generation's decodes and rows (the prompt's bootstrap left out); "
             "x none: relative to no speculation on the same backend; python: share of the time "
             "spent outside llama.cpp. KV: llama.cpp's KV buffers, target and draft contexts "
-            "(llama-server: its log's llama_kv_cache lines); peak RSS: the process's VmHWM.", ""]
+            "(llama-server's: its contexts made here with its flags); peak RSS: a server process's VmHWM.", ""]
     spec = [c for c in run.configs if c.config.mode != "none"]
     if spec:
         out += ["| category | " + " | ".join(c.label for c in spec) + " |",

@@ -331,6 +331,13 @@ def llama_server_kv(model: str | Path, n_ctx: int, n_parallel: int, mtp: bool, n
     return kv
 
 
+def kv_summary(mem: dict[str, dict[str, int]]) -> dict[str, int]:
+    """A configuration's memory line from ``Engine.memory()`` (or /props'
+    ``stepmtp.memory``): KV of target and draft, each and together, and compute."""
+    return {"kv": mem["target"]["kv"] + mem["draft"]["kv"], "target_kv": mem["target"]["kv"],
+            "draft_kv": mem["draft"]["kv"], "compute": mem["target"]["compute"] + mem["draft"]["compute"]}
+
+
 class EngineRunner(Runner):
     """An ``Engine`` in this process."""
 
@@ -372,12 +379,8 @@ class EngineRunner(Runner):
         e = self.engine
         if e is None:
             return {}
-        mem = e.memory()
         return {"n_heads": e.n_heads, "n_draft": e.driver.n_draft, "n_ctx": e.n_ctx,
-                "n_threads": self.kw.get("n_threads"),
-                "memory": {"kv": mem["target"]["kv"] + mem["draft"]["kv"], "target_kv": mem["target"]["kv"],
-                           "draft_kv": mem["draft"]["kv"],
-                           "compute": mem["target"]["compute"] + mem["draft"]["compute"]}}
+                "n_threads": self.kw.get("n_threads"), "memory": kv_summary(e.memory())}
         # no peak RSS per configuration in-process: the configurations' engines live
         # side by side in one process (the server runs give one per process)
 
@@ -462,9 +465,7 @@ class URLRunner(Runner):
         out = {"url": self.url, "model": self.props.get("model_path"), **keep}
         mem = (self.props.get("stepmtp") or {}).get("memory")
         if mem:
-            out["memory"] = {"kv": mem["target"]["kv"] + mem["draft"]["kv"], "target_kv": mem["target"]["kv"],
-                             "draft_kv": mem["draft"]["kv"],
-                             "compute": mem["target"]["compute"] + mem["draft"]["compute"]}
+            out["memory"] = kv_summary(mem)
         return out
 
 
@@ -601,8 +602,8 @@ class ServerRunner(URLRunner):
                  n_ctx: int = 2048, n_threads: int | None = None, llama_server: str | Path | None = None,
                  startup_timeout: float = 600.0, timeout: float = 600.0, n_parallel: int = 1) -> None:
         super().__init__("http://127.0.0.1:0", config, timeout=timeout)
-        self._kv_args = (model, n_ctx, -1 if config.slots < 0 else (config.slots or n_parallel),
-                         config.mode != "none", 512, mtp_model)
+        self._kv_args = dict(model=model, n_ctx=n_ctx, n_parallel=-1 if config.slots < 0 else
+                             (config.slots or n_parallel), mtp=config.mode != "none", mtp_model=mtp_model)
         if config.backend == "llama-server":
             exe = llama_server or find_llama_server()
             if exe is None:
@@ -642,7 +643,7 @@ class ServerRunner(URLRunner):
         out = {"argv": self.process.argv, **super().info()}
         mem = dict(out.get("memory") or {})
         if "kv" not in mem:  # llama-server: its contexts' KV, as llama.cpp allocates them
-            mem["kv"] = llama_server_kv(*self._kv_args)
+            mem["kv"] = llama_server_kv(**self._kv_args)
         if self.process.proc is not None:
             mem["peak_rss"] = peak_rss(self.process.proc.pid)
         out["memory"] = mem
