@@ -71,6 +71,13 @@ def test_aggregate_keys_and_depths(agree, prompts):
     assert sum(agg["accepted_per_depth"]) == agg["total_draft_accepted"]
     # chain-3 fused: one target decode and three draft decodes per round, prompt left out
     assert agg["target_decodes_per_round"] == 1.0 and agg["draft_decodes_per_round"] == 3.0
+    # a verify carries the last token and the drafts; the warm-up left the prompt cached,
+    # so its rows are the ones actually decoded (not len(prompt)), for heads too
+    rounds = agg["rounds"]
+    assert agg["target_rows_per_round"] == round((rounds + agg["total_draft"]) / rounds, 3)
+    # each head: one row at least, at most the round's new anchors (accepted + 1) and a draft
+    assert 3.0 <= agg["draft_rows_per_round"] <= 3.0 * 5
+    assert all(r.prompt_target_rows < r.n_prompt for r in chain.results)
     block = R.config_block(chain)
     assert "Aggregate: {" in block and R.request_line(chain.results[0]) in block
     assert not run.mismatches
@@ -667,3 +674,17 @@ def test_gpu_backends_report_agreement(prompts, monkeypatch, capsys):
     assert M.report(run, args, None) == 0
     err = capsys.readouterr().err
     assert "chain-3: 67% of prompts identical; the others part after 2 tokens" in err
+
+
+def test_cpu_build_is_no_gpu_backend():
+    """This CPU build has the RPC backend, for which llama.cpp's own offload check says
+    yes: the bench must still fail mismatches here, not call them GPU rounding."""
+    import stepmtp
+    from stepmtp.bench import __main__ as M
+
+    info = stepmtp.system_info()
+    if any(k in info["backend"] for k in ("CUDA", "METAL", "VULKAN", "HIP", "SYCL")):
+        pytest.skip("a GPU build")
+    assert info["gpus"] == [] and not M.gpu_backend()
+    if info["rpc"]:
+        assert info["gpu_offload"]  # why llama_supports_gpu_offload cannot decide it

@@ -43,6 +43,7 @@ def system_info() -> dict[str, object]:
     """What this build of stepmtp runs on: backend, build flags, llama.cpp commit and
     the patches applied to it."""
     from .binding import build_info, ensure_backend, ffi, lib
+    from .rpc import _local_devices
 
     ensure_backend()
     info = build_info()
@@ -64,6 +65,8 @@ def system_info() -> dict[str, object]:
         "patches": [name for name, _ in vendor.get("patches", [])],
         # true with the RPC backend alone: RPC servers count as GPUs for offloading
         "gpu_offload": bool(lib.llama_supports_gpu_offload()),
+        # this machine's GPUs llama.cpp would offload to (none on a CPU build, RPC or not)
+        "gpus": [ffi.string(lib.ggml_backend_dev_description(d)).decode() for d in _local_devices()],
         "rpc": lib.ggml_backend_reg_by_name(b"RPC") != ffi.NULL,
         "backend": ffi.string(lib.llama_print_system_info()).decode(),
         "build_type": info.get("build_type"),

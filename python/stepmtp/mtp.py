@@ -404,11 +404,21 @@ class MTPDriver:
             if target:
                 st.n_target_decodes += 1
                 st.n_target_rows += rows
-                st.n_prompt_target_decodes += s.prefilling
+                if s.prefilling:
+                    st.n_prompt_target_decodes += 1
+                    st.n_prompt_target_rows += rows
             else:
                 st.n_draft_decodes += 1
                 st.n_draft_rows += rows
                 st.n_prompt_draft_decodes += s.prefilling
+                # the heads meet the prompt's rows after it, catching up: counted by
+                # position near the prompt's end (a head catches up MAX_CATCH_UP rows at most)
+                n_prompt = len(s.prompt)
+                if s.pos < n_prompt + self.MAX_CATCH_UP:
+                    mine = batch.pos[: batch.n] < n_prompt
+                    if len(seqs) > 1:
+                        mine &= batch.seq[: batch.n] == s.seq_id
+                    st.n_prompt_draft_rows += int(np.count_nonzero(mine))
 
     def _decode_evicting(self, ctx: Context, batch: Batch, seqs: list[SeqState]) -> None:
         """A decode that, finding the cache full, first evicts idle slots' cached

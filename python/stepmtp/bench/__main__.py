@@ -398,10 +398,11 @@ def report(run: BenchRun, args: argparse.Namespace, baseline: dict[str, Any] | N
 
 
 def gpu_backend() -> bool:
-    """The build offloads to a GPU (CUDA, Metal, ...): llama.cpp's own answer."""
+    """A GPU (CUDA, Metal, ...) runs the model: llama.cpp's local GPU devices (its
+    ``llama_supports_gpu_offload`` is also true on a CPU build with RPC)."""
     from .. import system_info
 
-    return bool(system_info().get("gpu_offload"))
+    return bool(system_info().get("gpus"))
 
 
 if __name__ == "__main__":

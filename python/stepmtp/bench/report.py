@@ -84,12 +84,15 @@ def aggregate(results: list[Result], config: BenchConfig | None = None,
             known = True
             for r in results:
                 c_t, c_d, passes = prompt_cost(config, n_heads, r.n_prompt)
+                r_t, r_d = r.n_prompt, passes * r.n_prompt
                 if r.prompt_target_decodes is not None:  # counted, in-process
                     c_t, c_d = r.prompt_target_decodes, r.prompt_draft_decodes
+                if r.prompt_target_rows is not None:  # a cached prefix is not decoded again
+                    r_t, r_d, passes = r.prompt_target_rows, r.prompt_draft_rows, 0
                 td += r.target_decodes - c_t
                 dd_ += r.draft_decodes - c_d
-                tr += r.target_rows - r.n_prompt
-                dr += r.draft_rows - passes * r.n_prompt
+                tr += r.target_rows - r_t
+                dr += r.draft_rows - r_d
                 known = known and passes >= 0
             out["target_decodes_per_round"] = round(td / n_rounds, 3)
             out["draft_decodes_per_round"] = round(dd_ / n_rounds, 3)
@@ -374,4 +377,5 @@ def environment(n_threads: int | None = None) -> dict[str, Any]:
         "compiler": info.get("compiler"),
         "backend": info.get("backend"),
         "gpu_offload": info.get("gpu_offload"),
+        "gpus": info.get("gpus"),
     }

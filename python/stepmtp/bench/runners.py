@@ -234,9 +234,11 @@ class Result:
     t_python_ms: float | None = None
     #: the generated tokens (in-process; None where a backend does not return them)
     tokens: list[int] | None = None
-    #: decodes the prompt took (in-process)
+    #: decodes the prompt took, and its rows in them (in-process)
     prompt_target_decodes: int | None = None
     prompt_draft_decodes: int | None = None
+    prompt_target_rows: int | None = None
+    prompt_draft_rows: int | None = None
     #: with --repeat: every repeat's generation time (gen_ms is the best of them)
     gen_ms_repeats: list[float] = field(default_factory=list)
 
@@ -368,6 +370,7 @@ class EngineRunner(Runner):
             target_decodes=st.n_target_decodes, draft_decodes=st.n_draft_decodes,
             target_rows=st.n_target_rows, draft_rows=st.n_draft_rows, t_python_ms=st.t_python_ms,
             prompt_target_decodes=st.n_prompt_target_decodes, prompt_draft_decodes=st.n_prompt_draft_decodes,
+            prompt_target_rows=st.n_prompt_target_rows, prompt_draft_rows=st.n_prompt_draft_rows,
             tokens=list(out.tokens))
 
     def close(self) -> None:
