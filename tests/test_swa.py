@@ -7,7 +7,6 @@ import pytest
 
 from stepmtp import Context, Engine, Model
 from stepmtp.models import EVAL_PROMPTS, default_model_path
-from stepmtp.mtp import MTPDriver
 
 N_UBATCH = 64  # the bundled model's window is 128: a 256-cell sliding-window cache
 N_GEN = 420    # well past the window plus the ubatch, and past the cache's cells
@@ -110,8 +109,9 @@ def test_cached_prompt_cut_before_the_window(path, mode):
     """A next prompt that leaves the cached tokens long before their end: the window
     before that point was overwritten, so the slot goes on from a context checkpoint
     near the last prompt's end, or from the start; the output is a fresh run's."""
-    far, near = MTPDriver.CHECKPOINT_OFFSETS
     with _engine(path, mode=mode) as eng:
+        far, near = eng.driver.split_offsets  # 4 + n_ubatch, 4: llama-server's
+        assert (far, near) == (4 + N_UBATCH, 4)
         p1 = eng.tokenize(EVAL_PROMPTS[2])
         out1 = eng.generate(p1, n_predict=N_GEN, temperature=0).tokens
         tail = eng.tokenize("\n\n\ndef other(x):\n", add_special=False)

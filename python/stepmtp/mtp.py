@@ -58,6 +58,13 @@ always hold every position from the oldest one kept (``seq_pos_min``) on, so a c
 prompt (prompt caching) can go on from P exactly when P's window starts there or later:
 P - n_swa + 1 >= seq_pos_min; from further back, from a *context checkpoint*: the
 sliding-window cells saved near a prompt's end.
+
+llama.cpp rounds a row by the size of the ubatch it is in (the CPU's attention works
+in tiles from 64 rows on), so a prompt is decoded in llama-server's pieces: its last
+4 + n_ubatch and last 4 tokens apart, each piece split into ubatches from its start;
+and a cached prefix's last token is decoded again in every mode. The same pieces give
+the same bits: plain decoding, speculative decoding and llama-server write the same
+text at temperature 0.
 """
 from __future__ import annotations
 
@@ -310,14 +317,6 @@ class MTPDriver:
     ``--ctx-checkpoints``), with a trimmed sliding-window cache.
     """
 
-    #: where a prompt's decodes stop for a context checkpoint: this many tokens before
-    #: its end (llama-server's are 4 and 4 + n_ubatch). A next prompt that shares the
-    #: whole prompt goes on from the one 4 before the end (the prompt's last tokens are
-    #: decoded again: their logits and, speculating, a trunk row are needed); one that
-    #: leaves it a little earlier (a chat template renders the previous answer's
-    #: opening otherwise than the generation prompt before it) from the other
-    CHECKPOINT_OFFSETS = (32, 4)
-
     @staticmethod
     def _head_plan(spec: SpecConfig, n_heads: int) -> tuple[list[int], list[int]]:
         """(the heads a round drafts with, the heads the reference schedule
@@ -364,6 +363,17 @@ class MTPDriver:
         # places by position (see the module's docstring)
         self.n_chunk = min([target.n_batch, target.swa_rows] + [min(d.n_batch, d.swa_rows) for d in live])
         self.n_checkpoints = checkpoints if target.swa_trimmed else 0
+        # a prompt is decoded in llama-server's pieces: with context checkpoints on (its
+        # --ctx-checkpoints, whatever the cache) the last 4 + n_ubatch and the last 4
+        # tokens go apart, and a decode splits into ubatches from its start. llama.cpp's
+        # kernels round a row by how many rows its ubatch has (the CPU's attention tiles
+        # 64 and more), so other pieces give other last bits and, at temperature 0, other
+        # text sooner or later. The checkpoints, when kept, are made there: a next prompt
+        # sharing all of this one goes on from the nearer, one leaving it a little
+        # earlier (a chat template renders the previous answer's opening otherwise than
+        # the generation prompt before it) from the other
+        self.split_offsets = (min(target.n_batch, 4 + target.n_ubatch), min(target.n_batch, 4)) \
+            if checkpoints > 0 else ()
         # rows one sequence may put in a shared decode: every sequence's rows must fit
         self.n_rows_seq = self.n_chunk // n_seq
         if self.n_rows_seq <= self.n_draft + 1:
@@ -455,9 +465,12 @@ class MTPDriver:
                 self.load(s.seq_id, self.host.take(key))
                 c, shared = self.cache[s.seq_id], n_host
         # at least the prompt's last token is decoded (its logits give the first
-        # token); when speculating, the one before it too: its trunk row anchors the
-        # first new position for the heads (trunk rows are not kept, only the KV)
-        redo = 1 if self.speculate else 0
+        # token); and the one before it too, its trunk row anchoring the heads' first
+        # new position when speculating (trunk rows are not kept, only the KV). Without
+        # speculation too: the prompt is then decoded in the same pieces, and llama.cpp
+        # rounds a row by its ubatch's size, so plain and speculative decoding give the
+        # same last bits and, at temperature 0, the same text
+        redo = 1
         n_keep = min(shared, len(prompt) - 1)
         ck = None
         n_swa = self.target.model.n_swa
@@ -660,7 +673,10 @@ class MTPDriver:
         t0 = time.perf_counter()
         a, n = s.n_prefilled, len(s.prompt)
         size = min(self.n_chunk, s.chunk_limit)
-        for off in self.CHECKPOINT_OFFSETS if self.n_checkpoints else ():
+        ub = self.target.n_ubatch
+        if size < self.target.n_batch and size > ub:
+            size -= size % ub  # shorter decodes than llama-server's: its ubatches still
+        for off in self.split_offsets:
             if a < n - off < a + size:
                 size = n - off - a
         chunk = s.prompt[a : a + size]
@@ -668,7 +684,7 @@ class MTPDriver:
         self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
         self._decode_evicting(self.target, self.tbatch, [s])
         end = a + len(chunk)
-        if self.n_checkpoints and n - end in self.CHECKPOINT_OFFSETS and end >= 2 and \
+        if self.n_checkpoints and n - end in self.split_offsets and end >= 2 and \
                 not any(x.q == end - 1 for x in s.checkpoints):
             s.checkpoints.append(Checkpoint(end - 1, self.target.seq_state(s.seq_id, swa_only=True)))
             del s.checkpoints[: -self.n_checkpoints]
