@@ -557,3 +557,35 @@ def test_adaptive_costs_trust_a_fresh_timing_of_a_length_left_alone():
     costs.rounds += 100
     costs.observe(0, 0.5)  # not timed for 113 rounds: mostly replaced
     assert costs.t_round[0] < 0.6
+
+
+@pytest.mark.parametrize("mode", ["none", "chain"])
+def test_prompt_decodes_stop_where_llama_server_stops(tiny, mode):
+    """A prompt's decodes stop as llama-server's: before the latest user message of a
+    chat prompt (n_before_user), 4 + n_ubatch and 4 tokens before the end; within a
+    piece, at ubatch multiples when a decode holds fewer rows than n_batch."""
+    import stepmtp.llama as L
+
+    seen: list[tuple[int, int]] = []
+    decode = L.Context.decode
+
+    def spy(ctx, batch):
+        if ctx.mtp_block is None and batch.n and batch.seq[0] == 0 and batch.n_outputs <= 1:
+            seen.append((int(batch.pos[0]), batch.n))
+        return decode(ctx, batch)
+
+    with Engine(tiny["embedded"], mode=mode, n_max=2, n_ctx=1024, n_batch=64, n_ubatch=16) as eng:
+        toks = eng.tokenize(PROMPT * 6)
+        n = len(toks)
+        assert n > 64 + 20
+        L.Context.decode = spy
+        try:
+            req = eng.submit(toks, n_predict=1, temperature=0, cache_prompt=False, n_before_user=7)
+            while eng.busy:
+                eng.step()
+        finally:
+            L.Context.decode = decode
+        assert req.completion is not None
+    pieces = [(p, k) for p, k in seen if p < n]
+    cuts = sorted({7, n - 20, n - 4} | set(range(7 + 64, n - 20, 64)))
+    assert [p for p, _ in pieces] == [0] + cuts and sum(k for _, k in pieces) == n

@@ -102,3 +102,41 @@ def test_sandbox_template_errors(sandbox):
         sandbox.render("{{ raise_exception('no tools here') }}", {})
     with pytest.raises(ChatTemplateError, match="unsafe|access"):
         sandbox.render("{{ ''.__class__.__mro__ }}", {})
+
+
+def test_the_templates_bos_goes_when_tokenizing_adds_one():
+    """Step-3.5-Flash's template writes the BOS and its vocabulary adds one too: as in
+    llama.cpp, the rendered prompt leaves it out, so the tokens start with one BOS
+    (two made every chat prompt a token longer than llama-server's, and its text other)."""
+    from stepmtp.llama import Model
+    from stepmtp.models import default_model_path
+
+    m = Model(default_model_path())
+    try:
+        bos = m.token_to_piece(m.bos, special=True).decode()
+        assert m.add_bos and "bos_token" in m.chat_template
+        text = render_chat(m, MSGS)
+        assert text.startswith("<|im_start|>system\nbe brief") and not text.startswith(bos)
+        toks = m.tokenize(text, add_special=True, parse_special=True)
+        assert toks[0] == m.bos and toks[1] != m.bos
+    finally:
+        m.close()
+
+
+def test_user_turn_start():
+    """Where a chat prompt's latest user message opens (llama-server's n_before_user)."""
+    from stepmtp.chat import user_turn_start
+    from stepmtp.llama import Model
+    from stepmtp.models import default_model_path
+
+    assert user_turn_start(FakeModel()) == "<|im_start|>user\n"  # chatml
+    assert user_turn_start(FakeModel(), "{{ raise_exception('no') }}") == ""
+    m = Model(default_model_path())
+    try:
+        start = user_turn_start(m)
+        assert start.startswith("<|im_start|>user")
+        msgs = MSGS + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+        text = render_chat(m, msgs)
+        assert text[text.rfind(start):].startswith(start + "more")
+    finally:
+        m.close()

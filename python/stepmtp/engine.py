@@ -307,7 +307,7 @@ class Engine:
                sampling: SamplingParams | None = None, verify: Verify | None = None,
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                preserve_tokens: Sequence[int] = (), grammar: Any = None, mask_drafts: bool = True,
-               return_progress: bool = False, **sampling_kw: Any) -> Request:
+               return_progress: bool = False, n_before_user: int = 0, **sampling_kw: Any) -> Request:
         """Queue a generation without driving it, for a program that schedules many
         from one thread (the server): ``step()`` makes progress on every queued and
         running one; the returned request's ``chunks`` fill up as tokens are accepted
@@ -315,10 +315,13 @@ class Engine:
         drops it. Same arguments as ``generate``; ``preserve_tokens``: special tokens
         whose text the output keeps (a chat format's markers, for its parser);
         ``return_progress``: a progress chunk (``Chunk.progress``) after each prompt
-        decode, as llama-server's."""
+        decode, as llama-server's; ``n_before_user``: a chat prompt's tokens before
+        its latest user message, where llama-server stops a decode of the prompt
+        (the same pieces give the same logits)."""
         req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                             n_probs, post_sampling_probs, preserve_tokens, grammar, mask_drafts,
                             return_progress)
+        req.state.n_before_user = n_before_user
         self.slots.submit(req)
         return req
 

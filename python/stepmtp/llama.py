@@ -205,6 +205,7 @@ class Model(_Closing):
         self.bos: int = lib.llama_vocab_bos(self._vocab)
         self.eos: int = lib.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(self._vocab))
+        self.add_eos: bool = bool(lib.llama_vocab_get_add_eos(self._vocab))
         self._eog = np.array(
             [bool(lib.llama_vocab_is_eog(self._vocab, t)) for t in range(self.n_vocab)], dtype=bool
         )

@@ -204,6 +204,9 @@ class SeqState:
     anchor_from: int = 0
     #: prompt rows per decode at most (halved when a shared KV cache has no room)
     chunk_limit: int = 1 << 30
+    #: a chat prompt's tokens before its latest user message (0: unknown): its decodes
+    #: stop there, and a context checkpoint is made there, as llama-server's
+    n_before_user: int = 0
     #: debug mode: every trunk hidden row the target produced, by position
     h_log: dict[int, np.ndarray] | None = None
     #: debug mode: one RoundTrace per round
@@ -676,15 +679,15 @@ class MTPDriver:
         ub = self.target.n_ubatch
         if size < self.target.n_batch and size > ub:
             size -= size % ub  # shorter decodes than llama-server's: its ubatches still
-        for off in self.split_offsets:
-            if a < n - off < a + size:
-                size = n - off - a
+        for end in [n - off for off in self.split_offsets] + [s.n_before_user]:
+            if a < end < a + size:
+                size = end - a
         chunk = s.prompt[a : a + size]
         last = a + len(chunk) == n
         self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
         self._decode_evicting(self.target, self.tbatch, [s])
         end = a + len(chunk)
-        if self.n_checkpoints and n - end in self.split_offsets and end >= 2 and \
+        if self.n_checkpoints and (n - end in self.split_offsets or end == s.n_before_user) and end >= 2 and \
                 not any(x.q == end - 1 for x in s.checkpoints):
             s.checkpoints.append(Checkpoint(end - 1, self.target.seq_state(s.seq_id, swa_only=True)))
             del s.checkpoints[: -self.n_checkpoints]

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from ..llama import Model
     from .sandbox import TemplateSandbox
 
-__all__ = ["render_chat", "render_builtin", "template_context", "ChatTemplateError", "CHATML_TEMPLATE"]
+__all__ = ["render_chat", "render_builtin", "template_context", "user_turn_start", "ChatTemplateError",
+           "CHATML_TEMPLATE"]
 
 #: llama-server's fallback for a model without a template
 CHATML_TEMPLATE = (
@@ -70,11 +71,51 @@ def render_chat(model: "Model", messages: Sequence[dict[str, Any]], *, add_gener
     source = template_source(model, template)
     ctx = template_context(model, messages, add_generation_prompt=add_generation_prompt, variables=variables)
     if sandbox is not None:
-        return sandbox.render(source, ctx)
-    try:
-        return render(source, ctx)
-    except TemplateFailure as e:
-        raise ChatTemplateError(str(e)) from None
+        text = sandbox.render(source, ctx)
+    else:
+        try:
+            text = render(source, ctx)
+        except TemplateFailure as e:
+            raise ChatTemplateError(str(e)) from None
+    # as llama.cpp: the BOS (EOS) a template writes goes when tokenizing adds it anyway;
+    # kept, the prompt would start with two
+    bos, eos = ctx["bos_token"], ctx["eos_token"]
+    if bos and text.startswith(bos) and model.add_bos:
+        text = text[len(bos):]
+    if eos and text.endswith(eos) and model.add_eos:
+        text = text[: -len(eos)]
+    return text
+
+
+_PROBES = ("stepmtp-probe-a", "stepmtp-probe-b", "stepmtp-probe-c")
+_user_starts: dict[tuple[str, int, int], str] = {}
+
+
+def user_turn_start(model: "Model", template: str | None = None, *,
+                    sandbox: "TemplateSandbox | None" = None) -> str:
+    """The text a template opens a user message with (``<|im_start|>user\n`` for
+    chatml), as seen in two rendered probe conversations: what precedes a first user
+    message and what follows an assistant message before the next one end alike in
+    it. '' when they share nothing (or the template refuses the probes). llama-server
+    splits a chat prompt there (its message spans), before the latest user message."""
+    source = template_source(model, template)
+    key = (source, model.bos, model.eos)
+    if key not in _user_starts:
+        a, b, c = _PROBES
+        try:
+            one = render_chat(model, [{"role": "user", "content": a}], add_generation_prompt=False,
+                              template=template, sandbox=sandbox)
+            three = render_chat(model, [{"role": "user", "content": a}, {"role": "assistant", "content": b},
+                                        {"role": "user", "content": c}], add_generation_prompt=False,
+                                template=template, sandbox=sandbox)
+            first, between = one[: one.index(a)], three[three.index(b) + len(b) : three.index(c)]
+        except ValueError:  # a template that refuses the probes, or drops their text
+            first = between = ""
+        n = 0
+        while n < min(len(first), len(between)) and first[-1 - n] == between[-1 - n]:
+            n += 1
+        _user_starts[key] = first[len(first) - n :] if n else ""
+    return _user_starts[key]
 
 
 def render_builtin(model: "Model", messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,

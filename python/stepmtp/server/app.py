@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..chat import render_builtin, render_chat as render_chat_text, template_source
+from ..chat import render_builtin, render_chat as render_chat_text, template_source, user_turn_start
 from ..chat.sandbox import TemplateSandbox
 from ..engine import Completion, Engine, SlotBusy
 from ..sampling import SamplingParams
@@ -960,18 +960,32 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                                          progress=lambda p: F.oai_chat_chunk({"role": "assistant", "content": None},
                                                                              info)), job.cancel)
 
-    async def chat_tokens(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, list[int]]:
-        """A chat request's prompt tokens, and how to read its output back."""
+    async def chat_tokens(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str, list[int]]:
+        """A chat request's prompt (text and tokens), and how to read its output back."""
         fmt, text = await chat_prompt(eng, req)
-        return fmt, await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+        return fmt, text, await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
+
+    async def tokens_before_user(eng: Engine, text: str) -> int:
+        """llama-server's n_before_user: a chat prompt's tokens before its latest user
+        message, where the latest user turn opens (0: none, or a --no-jinja template)."""
+        if not st.cfg.use_jinja:
+            return 0
+        start = await run_in_threadpool(user_turn_start, eng.model, st.cfg.chat_template_source(),
+                                        sandbox=st.templates)  # rendered once per template
+        pos = text.rfind(start) if start else -1
+        if pos < 0:
+            return 0
+        return len(await off_loop(pos, eng.tokenize, text[:pos], add_special=True, parse_special=True))
 
     async def chat_jobs(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, list[GenRequest], F.ResultInfo]:
         """A chat request's generations, ready to submit, and how to read them back."""
-        fmt, toks = await chat_tokens(eng, req)
+        fmt, text, toks = await chat_tokens(eng, req)
         gens, settings = await prepare(eng, req, [toks], stream=req.stream,
                                        grammar=("lark", fmt.grammar) if fmt.grammar else None)
+        n_before_user = await tokens_before_user(eng, text)
         for g in gens:
             g.preserved = fmt.preserved
+            g.n_before_user = n_before_user
         settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
         return fmt, gens, result_info(eng, settings)
 
@@ -1022,13 +1036,13 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
               openapi_extra=json_body(ChatCompletionRequest))
     async def chat_input_tokens(request: Request) -> dict[str, int]:
         eng = st.need_engine()
-        _, toks = await chat_tokens(eng, await body(request, ChatCompletionRequest))
+        _, _, toks = await chat_tokens(eng, await body(request, ChatCompletionRequest))
         return {"input_tokens": len(toks)}
 
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
     async def anthropic_count_tokens(request: Request) -> dict[str, int]:
         eng = st.need_engine()
-        _, toks = await chat_tokens(eng, await anthropic_request(request))
+        _, _, toks = await chat_tokens(eng, await anthropic_request(request))
         return {"input_tokens": len(toks)}
 
     async def chat_prompt(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str]:

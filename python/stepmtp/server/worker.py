@@ -105,6 +105,8 @@ class GenRequest:
     return_progress: bool = False
     #: constrained decoding (a compiled grammar.Constraint)
     grammar: Any = None
+    #: a chat prompt's tokens before its latest user message (0: unknown)
+    n_before_user: int = 0
 
 
 _ids = itertools.count()
@@ -257,7 +259,7 @@ class Worker:
                                         sampling=req.sampling, cache_prompt=req.cache_prompt,
                                         n_probs=req.n_probs, post_sampling_probs=req.post_probs,
                                         preserve_tokens=req.preserved, grammar=req.grammar,
-                                        return_progress=req.return_progress)
+                                        return_progress=req.return_progress, n_before_user=req.n_before_user)
         except BaseException as e:  # noqa: BLE001 - reported to the request
             self._not_waiting(job.id)
             self._finish(job, None, e, 0)
