@@ -135,3 +135,19 @@ def test_swa_full_keeps_every_cell(path):
         assert eng.target.seq_pos_min(0) == 0
         assert eng.memory()["target"]["kv"] > 0
     assert c.stats.n_predicted == N_GEN
+
+
+def test_two_threads_past_512_cells_speculation_is_plain(path):
+    """With two threads and a KV past 512 cells, llama.cpp's CPU attention split a lone
+    query row over the cells (patch 0009 turns that off): plain decoding's one-row
+    decodes then rounded otherwise than the same rows of a verify, and every one of
+    these texts parted from plain decoding's, one at its second token."""
+    prompts = list(EVAL_PROMPTS[:4])
+    outs = {}
+    for mode in ("none", "chain"):
+        with Engine(path, n_ctx=2048, n_threads=2, mode=mode, n_max=3) as eng:
+            no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
+            outs[mode] = [eng.generate(p, n_predict=520, temperature=0, cache_prompt=False, logit_bias=no_eos).tokens
+                          for p in prompts]
+            assert min(len(eng.tokenize(p)) for p in prompts) + 520 > 512
+    assert outs["chain"] == outs["none"]
