@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,16 +16,9 @@ def test_version_and_system_info():
     assert stepmtp.__version__ and stepmtp.__version__ != "0.0.0+unknown"
     info = stepmtp.system_info()
     assert info["llama_cpp_commit"] == "f449e0553"
-    assert info["patches"] == [
-        "0001-mtp-layer-offset.patch",
-        "0002-mtp-graph-output-rows.patch",
-        "0003-require-all-mtp-blocks.patch",
-        "0004-mtp-c-api.patch",
-        "0005-rpc-lost-server-not-fatal.patch",
-        "0006-batch-coupling-check-batch-seqs.patch",
-        "0007-mtp-kv-per-block.patch",
-        "0008-swa-ring-placement.patch",
-    ]
+    # the build carries this tree's whole series (a stale build fails here)
+    series = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "patches").glob("*.patch"))
+    assert info["patches"] == series and series[0] == "0001-mtp-layer-offset.patch" and len(series) >= 9
     assert "CPU" in info["backend"]
 
 
