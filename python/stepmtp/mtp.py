@@ -337,7 +337,7 @@ class MTPDriver:
         if spec.mode == "none" or spec.n_max == 0 or n_heads == 0:
             return []
         heads, process = MTPDriver._head_plan(spec, n_heads)
-        return sorted(set(heads) | set(process)) if spec.schedule == "reference" else heads
+        return process if spec.schedule == "reference" else heads
 
     def __init__(self, target: Context, drafts: "list[Context | None] | None", spec: SpecConfig, *,
                  n_seq: int = 1, debug: bool = False, cache_ram: int = 0, checkpoints: int = 32) -> None:
@@ -417,21 +417,11 @@ class MTPDriver:
             if target:
                 st.n_target_decodes += 1
                 st.n_target_rows += rows
-                if s.prefilling:
-                    st.n_prompt_target_decodes += 1
-                    st.n_prompt_target_rows += rows
+                st.n_prompt_target_decodes += s.prefilling
             else:
                 st.n_draft_decodes += 1
                 st.n_draft_rows += rows
                 st.n_prompt_draft_decodes += s.prefilling
-                # the heads meet the prompt's rows after it, catching up: counted by
-                # position near the prompt's end (a head catches up MAX_CATCH_UP rows at most)
-                n_prompt = len(s.prompt)
-                if s.pos < n_prompt + self.MAX_CATCH_UP:
-                    mine = batch.pos[: batch.n] < n_prompt
-                    if len(seqs) > 1:
-                        mine &= batch.seq[: batch.n] == s.seq_id
-                    st.n_prompt_draft_rows += int(np.count_nonzero(mine))
 
     def _decode_evicting(self, ctx: Context, batch: Batch, seqs: list[SeqState]) -> None:
         """A decode that, finding the cache full, first evicts idle slots' cached

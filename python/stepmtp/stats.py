@@ -34,10 +34,6 @@ class GenStats:
     #: rows (tokens) those decodes carried
     n_target_rows: int = 0
     n_draft_rows: int = 0
-    #: of those, the prompt's rows (positions before its end: a cached prefix is not
-    #: decoded again, the heads meet the prompt when they first catch up)
-    n_prompt_target_rows: int = 0
-    n_prompt_draft_rows: int = 0
     t_prompt_ms: float = 0.0
     t_gen_ms: float = 0.0
     #: time inside llama.cpp calls (decodes and reading their outputs), prompt and generation

@@ -87,8 +87,10 @@ def aggregate(results: list[Result], config: BenchConfig | None = None,
                 r_t, r_d = r.n_prompt, passes * r.n_prompt
                 if r.prompt_target_decodes is not None:  # counted, in-process
                     c_t, c_d = r.prompt_target_decodes, r.prompt_draft_decodes
-                if r.prompt_target_rows is not None:  # a cached prefix is not decoded again
-                    r_t, r_d, passes = r.prompt_target_rows, r.prompt_draft_rows, 0
+                if r.prompt_cached:
+                    # a cached prefix is not decoded again, but its last token, by the
+                    # target alone (for its trunk row): the heads start after it
+                    r_t, r_d = r.prompt_target_rows, passes * (r.prompt_target_rows - 1)
                 td += r.target_decodes - c_t
                 dd_ += r.draft_decodes - c_d
                 tr += r.target_rows - r_t

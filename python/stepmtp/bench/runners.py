@@ -234,13 +234,19 @@ class Result:
     t_python_ms: float | None = None
     #: the generated tokens (in-process; None where a backend does not return them)
     tokens: list[int] | None = None
-    #: decodes the prompt took, and its rows in them (in-process)
+    #: decodes the prompt took (in-process)
     prompt_target_decodes: int | None = None
     prompt_draft_decodes: int | None = None
-    prompt_target_rows: int | None = None
-    prompt_draft_rows: int | None = None
+    #: the prompt's tokens its slot's cache held (in-process)
+    prompt_cached: int | None = None
     #: with --repeat: every repeat's generation time (gen_ms is the best of them)
     gen_ms_repeats: list[float] = field(default_factory=list)
+
+    @property
+    def prompt_target_rows(self) -> int | None:
+        """The prompt's rows the target decoded (what its slot's cache did not hold:
+        llama-server's timings.prompt_n)."""
+        return None if self.prompt_cached is None else self.n_prompt - self.prompt_cached
 
     @property
     def rate(self) -> float:
@@ -370,7 +376,7 @@ class EngineRunner(Runner):
             target_decodes=st.n_target_decodes, draft_decodes=st.n_draft_decodes,
             target_rows=st.n_target_rows, draft_rows=st.n_draft_rows, t_python_ms=st.t_python_ms,
             prompt_target_decodes=st.n_prompt_target_decodes, prompt_draft_decodes=st.n_prompt_draft_decodes,
-            prompt_target_rows=st.n_prompt_target_rows, prompt_draft_rows=st.n_prompt_draft_rows,
+            prompt_cached=st.n_prompt_cached,
             tokens=list(out.tokens))
 
     def close(self) -> None:
