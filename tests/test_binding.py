@@ -206,3 +206,30 @@ def test_load_free_cycles_do_not_grow_memory(tiny):
     gc.collect()
     grown = _rss_mib() - before
     assert grown < 16, f"resident memory grew by {grown:.1f} MiB over 100 load/free cycles"
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_a_rows_logits_do_not_depend_on_how_many_rows_its_decode_carries(embedded_model, n_threads):
+    """A verify's rows must be the one-row decodes' bits, or temperature-0 speculation
+    drifts from plain decoding. The tiny model's weights are F32, which llama.cpp's CPU
+    products of 2+ rows (llamafile's gemm) sum otherwise than one row: every row
+    differed before patch 0010 (the Step files' F32 router did the same, rarely)."""
+    m = embedded_model
+    toks = (_prompt(m, 12) * 3)[:36]
+    start = 24
+
+    def rows(k: int) -> np.ndarray:
+        with Context(m, n_ctx=256, n_threads=n_threads, n_threads_batch=n_threads) as ctx:
+            b = Batch(64)
+            b.fill(toks[:start], 0)
+            ctx.decode(b)
+            out = []
+            for s in range(start, start + 8, k):
+                b.fill(toks[s : s + k], s, outputs="all")
+                ctx.decode(b)
+                out.append(ctx.logits_rows(k).copy())
+            return np.concatenate(out)
+
+    one = rows(1)
+    for k in (2, 4, 8):
+        assert np.array_equal(rows(k), one), k
