@@ -310,30 +310,21 @@ def test_mismatched_mtp_files_and_missing_heads(tmp_path, tiny):
             eng.generate(PROMPT, n_predict=-5)
 
 
-@pytest.mark.parametrize("verify", ["exact", "rejection"])
-def test_sampling_is_not_biased_by_verification(tmp_path_factory, verify):
-    """At temperature > 0 each emitted token is drawn from the target's distribution:
-    the first three tokens' joint counts over many seeds match plain sampling
-    (chi-square, p > 0.001). On the agree model at a high temperature, with 3
-    candidates per step, drafts are accepted about half the time, so both the
-    accepting and the rejecting paths are exercised."""
+def speculation_samples_as_plain(path, samp: dict, verify: str, n_seeds: int = 250) -> int:
+    """Asserts that the first three tokens' joint counts over many seeds, plain and
+    chained, match (chi-square, p > 0.001); returns the drafts accepted."""
     from scipy.stats import chi2_contingency
 
-    from stepmtp.tiny import write_agree_model
-
-    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
-    samp = dict(temperature=25.0, top_k=3, top_p=1.0, min_p=0.0)
     counts, accepted = {}, 0
     for mode in ("none", "chain"):
         hist: dict[tuple[int, ...], int] = {}
         with Engine(path, mode=mode, n_ctx=256) as eng:
             prompt = eng.tokenize("def f")
-            for seed in range(250):
+            for seed in range(n_seeds):
                 out = eng.generate(prompt, n_predict=3, seed=seed, verify=verify, **samp)
                 hist[tuple(out.tokens)] = hist.get(tuple(out.tokens), 0) + 1
                 accepted += out.stats.n_accepted
         counts[mode] = hist
-    assert accepted > 150
     keys = sorted(set(counts["none"]) | set(counts["chain"]))
     # pool rare outcomes so every cell has a usable expectation
     big = [k for k in keys if counts["none"].get(k, 0) + counts["chain"].get(k, 0) >= 10]
@@ -345,6 +336,21 @@ def test_sampling_is_not_biased_by_verification(tmp_path_factory, verify):
     assert len(big) >= 4
     p = chi2_contingency(table)[1]
     assert p > 1e-3, (p, table)
+    return accepted
+
+
+@pytest.mark.parametrize("verify", ["exact", "rejection"])
+def test_sampling_is_not_biased_by_verification(tmp_path_factory, verify):
+    """At temperature > 0 each emitted token is drawn from the target's distribution:
+    the first three tokens' joint counts over many seeds match plain sampling
+    (chi-square, p > 0.001). On the agree model at a high temperature, with 3
+    candidates per step, drafts are accepted about half the time, so both the
+    accepting and the rejecting paths are exercised."""
+    from stepmtp.tiny import write_agree_model
+
+    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+    accepted = speculation_samples_as_plain(path, dict(temperature=25.0, top_k=3, top_p=1.0, min_p=0.0), verify)
+    assert accepted > 150
 
 
 def test_rejection_sampling_accepts_more_than_exact_match(tmp_path_factory):

@@ -347,6 +347,16 @@ def test_sampling_fields(client, direct):
                                          "repeat_penalty": 1.3, "presence_penalty": 0.5,
                                          "frequency_penalty": 0.5, "repeat_last_n": 16, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["generation_settings"]["repeat_penalty"] == 1.3
+    # llama.cpp's other samplers and their order: used, and reported as llama-server reports them
+    more = {"typical_p": 0.9, "top_n_sigma": 2.0, "xtc_probability": 0.5, "xtc_threshold": 0.2,
+            "dynatemp_range": 0.3, "dynatemp_exponent": 1.5, "min_keep": 2}
+    a = client.post("/completion", json={**base, **more, "seed": 3, "samplers": "kyxt"}).json()
+    b = client.post("/completion", json={**base, **more, "seed": 3, "samplers": ["top_k", "typ_p", "xtc", "temp"]}).json()
+    gs = a["generation_settings"]
+    assert all(gs[k] == v for k, v in more.items()) and gs["samplers"] == ["top_k", "typ_p", "xtc", "temperature"]
+    assert a["content"] == b["content"] and a["tokens_predicted"] == 16
+    assert client.get("/props").json()["default_generation_settings"]["params"]["samplers"][:3] == [
+        "penalties", "dry", "top_n_sigma"]
 
 
 def test_curl_style_form_content_type(server):
@@ -495,6 +505,8 @@ BAD = [
     ("/completion", b'{"prompt": "x", "logit_bias": [[1, "a"]]}', "logit_bias"),
     ("/completion", b'{"prompt": "x", "repeat_penalty": 0}', "repeat_penalty"),
     ("/completion", b'{"prompt": "x", "mirostat": 2}', "mirostat"),
+    ("/completion", b'{"prompt": "x", "dry_multiplier": 0.8}', "DRY"),
+    ("/completion", b'{"prompt": "x", "samplers": ["top_k", "adaptive_p"]}', "adaptive_p"),
     ("/completion", b'{"prompt": "x", "n_probs": -1}', "n_probs"),
     ("/tokenize", b'{"content": ["a", 999999], "with_pieces": true}', "out of range"),
     ("/completion", b'{"prompt": "x", "n": 5}', "n_cmpl"),
@@ -670,6 +682,8 @@ COMPLETION_FIELDS = ["prompt", "n_predict", "max_tokens", "max_completion_tokens
                      "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "seed",
                      "stop", "ignore_eos", "logit_bias", "stream", "stream_options", "n_cmpl", "n", "return_tokens",
                      "cache_prompt", "timings_per_token", "id_slot", "n_probs", "mirostat", "typical_p", "grammar",
+                     "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+                     "min_keep", "samplers", "dry_multiplier",
                      "json_schema", "response_fields", "unknown_field"]
 CHAT_FIELDS = ["messages", "add_generation_prompt", "chat_template_kwargs", "response_format", "tools", "tool_choice",
                "logprobs", "top_logprobs", "stream", "stream_options", "stop"]

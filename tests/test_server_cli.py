@@ -46,6 +46,9 @@ def test_help_lists_the_flags():
     (["-m", "/nonexistent/model.gguf"], "not found"),
     (["-fa", "maybe"], "on, off or auto"),
     (["--draft-max", "3"], "--draft-max"),  # removed in llama-server too
+    (["--mirostat", "2"], "mirostat is not supported"),
+    (["--dry-multiplier", "0.8"], "DRY is not supported"),
+    (["--samplers", "top_k;infill"], "infill"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(args, needle):
     r = run_cli(*args, timeout=60)
@@ -85,6 +88,20 @@ def test_reference_command_line_parses(tmp_path):
     assert cfg.model is None and cfg.spec_type == "none" and cfg.n_ctx == 0 and cfg.n_batch == 2048
     assert cfg.n_ubatch == 512 and cfg.port == 8080 and cfg.host == "127.0.0.1" and cfg.n_max == 3
     assert cfg.sampling.temperature == 0.8 and cfg.seed_u32 == 4294967295
+
+
+def test_llama_servers_sampler_flags():
+    cfg = parse_args(["--typical", "0.9", "--top-n-sigma", "1.5", "--xtc-probability", "0.3", "--xtc-threshold",
+                      "0.2", "--dynatemp-range", "0.4", "--dynatemp-exp", "2", "--samplers", "top-k;temp;typical_p",
+                      "--mirostat", "0", "--mirostat-lr", "0.2", "--dry-multiplier", "0", "--dry-base", "2",
+                      "--dry-sequence-breaker", "none"])
+    p = cfg.sampling
+    assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.xtc_threshold, p.dynatemp_range,
+            p.dynatemp_exponent) == (0.9, 1.5, 0.3, 0.2, 0.4, 2.0)
+    assert p.samplers == ("top_k", "temperature")  # typical_p is no sampler name: dropped, as llama.cpp does
+    assert parse_args(["--sampler-seq", "kyt"]).sampling.samplers == ("top_k", "typ_p", "temperature")
+    assert parse_args([]).sampling.samplers == ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p",
+                                                "min_p", "xtc", "temperature")
 
 
 def test_environment_variables(tmp_path, monkeypatch):

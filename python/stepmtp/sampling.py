@@ -1,8 +1,11 @@
 """Token sampling in numpy, with llama.cpp's settings and order.
 
-The target's sampler (``Sampler``) applies, as llama.cpp's default chain does:
-repetition penalties, then top-k, top-p, min-p, temperature, and a seeded draw; at
-temperature <= 0 it is greedy (argmax after the penalties). Draft tokens are picked
+The target's sampler (``Sampler``) applies llama.cpp's chain, in llama-server's order
+(``samplers``, by default: logit bias, repetition penalties, top-n-sigma, top-k,
+typical-p, top-p, min-p, XTC, temperature with its dynamic range), then a seeded draw;
+at temperature <= 0 it is greedy (argmax after the bias and penalties) unless a sampler
+before the temperature can drop the most likely token (typical-p, XTC) or dynamic
+temperature widens it. Draft tokens are picked
 as llama-server's MTP drafter does (``draft_pick``): the most likely token, with its
 probability among the 10 best, which ``p_min`` is compared against; or, for
 rejection sampling, drawn from the head's distribution under the request's own
@@ -16,9 +19,36 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "TokenProbs", "draft_pick", "verify_rejection", "raw_probs"]
+__all__ = ["SamplingParams", "Sampler", "TokenProbs", "draft_pick", "verify_rejection", "raw_probs",
+           "DEFAULT_SAMPLERS", "parse_samplers"]
 
 DRAFT_TOP_K = 10
+
+#: llama-server's default sampler order (``--samplers``); "dry" is a no-op here (DRY
+#: is refused when turned on)
+DEFAULT_SAMPLERS: tuple[str, ...] = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                                     "temperature")
+#: the names llama.cpp knows but this sampler does not implement
+UNSUPPORTED_SAMPLERS = ("infill", "adaptive_p")
+_CANONICAL = (*DEFAULT_SAMPLERS, *UNSUPPORTED_SAMPLERS)
+_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p",
+          "x": "xtc", "t": "temperature", "i": "infill", "a": "adaptive_p"}
+_ALIASES = {**{c: c for c in _CANONICAL}, **{c.replace("_", "-"): c for c in _CANONICAL if "_" in c},
+            **{c.replace("_", ""): c for c in _CANONICAL if "_" in c},
+            "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+
+
+def parse_samplers(value: "str | Sequence[str]", *, chars: bool = False) -> tuple[str, ...]:
+    """llama.cpp's sampler order from names (a list, or one string of names separated by
+    ``;`` as ``--samplers`` takes; aliases such as ``top-k``, ``topk``, ``nucleus``,
+    ``temp`` accepted, any case) or, ``chars``, from a string of its one-letter codes
+    (``"edskypmxt"``, as ``--sampler-seq`` and a request's ``samplers`` string).
+    Unknown names are dropped, as llama.cpp drops them (with a warning there)."""
+    if isinstance(value, str):
+        if chars:
+            return tuple(_CHARS[c] for c in value if c in _CHARS)
+        value = value.split(";")
+    return tuple(_ALIASES[n.strip().lower()] for n in value if isinstance(n, str) and n.strip().lower() in _ALIASES)
 
 
 @dataclass(frozen=True)
@@ -35,6 +65,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    min_keep: int = 0
+    samplers: tuple[str, ...] = DEFAULT_SAMPLERS
 
     def __post_init__(self) -> None:
         if self.top_k < 0:
@@ -47,10 +85,48 @@ class SamplingParams:
             raise ValueError("repeat_penalty must be > 0")
         if self.repeat_last_n < -1:
             raise ValueError("repeat_last_n must be >= -1")
+        if self.min_keep < 0:
+            raise ValueError("min_keep must be >= 0")
+        bad = [n for n in self.samplers if n not in DEFAULT_SAMPLERS]
+        if bad:
+            raise ValueError(f"samplers: {', '.join(sorted(set(bad)))} not supported (supported: "
+                             f"{', '.join(DEFAULT_SAMPLERS)})")
+        object.__setattr__(self, "samplers", tuple(self.samplers))
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether repetition penalties change the logits."""
+        return ((self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+                and self.repeat_last_n != 0 and "penalties" in self.samplers)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Temperature <= 0 picks the argmax of the biased, penalised logits: what the chain
+        keeps ends at a temperature that keeps only its best token, and nothing before it
+        drops the best token (typical-p and XTC can) or sees the logits before the
+        penalties do."""
+        if self.temperature > 0.0 or self.dynatemp_range > 0.0 or "temperature" not in self.samplers:
+            return False
+        active = [n for n in self.samplers if n in self._active_filters()]
+        if any(n in ("typ_p", "xtc") for n in active):
+            return False
+        return not (self.penalizes and active and self.samplers.index(active[0]) < self.samplers.index("penalties"))
+
+    def _active_filters(self) -> set[str]:
+        out = set()
+        if self.top_n_sigma > 0:
+            out.add("top_n_sigma")
+        if self.top_k > 0:
+            out.add("top_k")
+        if self.typical_p < 1.0:
+            out.add("typ_p")
+        if self.top_p < 1.0:
+            out.add("top_p")
+        if self.min_p > 0.0:
+            out.add("min_p")
+        if self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5:
+            out.add("xtc")
+        return out
 
     def with_(self, **kw: object) -> "SamplingParams":
         return replace(self, **kw)
@@ -77,9 +153,7 @@ class Sampler:
         seed = params.seed
         self.rng = np.random.default_rng(None if seed is None or seed < 0 else seed)
         p = params
-        self._penalize = (
-            p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        ) and p.repeat_last_n != 0
+        self._penalize = p.penalizes
         # long windows: counts per token of history[synced - W : synced]
         self._dense = self._penalize and (p.repeat_last_n == -1 or p.repeat_last_n > DENSE_WINDOW)
         self._counts: np.ndarray | None = None
@@ -153,43 +227,136 @@ class Sampler:
             for t, d in moved:
                 c[t] -= d
 
+    def _bias(self, logits: np.ndarray) -> np.ndarray:
+        if not self.params.logit_bias:
+            return logits
+        logits = logits.copy()
+        for t, b in self.params.logit_bias.items():
+            if 0 <= t < logits.shape[0]:
+                logits[t] += b
+        return logits
+
     def transform(self, logits: np.ndarray, history: Sequence[int] = (), extra: Sequence[int] = ()) -> np.ndarray:
-        """Logits after penalties and bias (what greedy picks the argmax of)."""
+        """Logits after the bias and the penalties, in llama.cpp's order (what greedy
+        picks the argmax of)."""
+        logits = self._bias(logits)
         if self._penalize:
             logits = self._penalties(logits, history, extra)
-        if self.params.logit_bias:
-            logits = logits.copy() if not self._penalize else logits
-            for t, b in self.params.logit_bias.items():
-                if 0 <= t < logits.shape[0]:
-                    logits[t] += b
         return logits
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = (),
                      extra: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """The candidates and their probabilities after the whole chain (temperature > 0)."""
+        """The candidates and their probabilities after the whole chain, in the order of
+        ``params.samplers`` (as llama.cpp's stages: each filter or scaling sees what the
+        ones before it left)."""
         p = self.params
-        logits = self.transform(logits, history, extra)
-        n = logits.shape[0]
-        k = p.top_k if 0 < p.top_k < n else n
-        if k < n:
-            ids = np.argpartition(-logits, k - 1)[:k]
-        else:
-            ids = np.arange(n)
-        vals = logits[ids].astype(np.float64)
-        order = np.argsort(-vals, kind="stable")
-        ids, vals = ids[order], vals[order]
-        probs = np.exp(vals - vals[0])
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            cut = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
-            ids, vals, probs = ids[:cut], vals[:cut], probs[:cut]
-        if p.min_p > 0.0:
-            keep = probs >= p.min_p * probs[0]
-            ids, vals = ids[keep], vals[keep]
-        scaled = vals / p.temperature
-        probs = np.exp(scaled - scaled.max())
+        biased = self._bias(logits)
+        ids: np.ndarray | None = None  # None: the whole vocabulary, in token order
+        vals = biased
+        for stage in p.samplers:
+            if stage == "penalties":
+                if self._penalize:
+                    pen = self._penalties(biased, history, extra)
+                    vals = pen if ids is None else pen[ids]
+                continue
+            keep = _STAGES[stage](self, vals) if stage in _STAGES else None
+            if keep is not None:
+                ids = keep if ids is None else ids[keep]
+                vals = vals[keep]
+            if stage == "temperature":
+                vals = self._temperature(vals)
+        if ids is None:
+            ids = np.arange(vals.shape[0])
+        v = vals.astype(np.float64)
+        probs = np.exp(v - v.max())
         probs /= probs.sum()
         return ids, probs
+
+    # -- the chain's stages: each returns the indices (into vals) it keeps, or None --------
+
+    def _top_n_sigma(self, vals: np.ndarray) -> np.ndarray | None:
+        n = self.params.top_n_sigma
+        if n <= 0 or vals.shape[0] <= 1:
+            return None
+        fin = vals[np.isfinite(vals)].astype(np.float64)
+        if not fin.size:
+            return None
+        return np.flatnonzero(vals >= fin.max() - n * fin.std())
+
+    def _top_k(self, vals: np.ndarray) -> np.ndarray | None:
+        k = self.params.top_k
+        if k <= 0:
+            return None
+        k = min(k, vals.shape[0])
+        top = np.argpartition(-vals, k - 1)[:k] if k < vals.shape[0] else np.arange(k)
+        return top[np.argsort(-vals[top], kind="stable")]
+
+    def _typical(self, vals: np.ndarray) -> np.ndarray | None:
+        p = self.params
+        if p.typical_p >= 1.0:
+            return None
+        order, probs = _sorted_softmax(vals)
+        ent = -(probs * np.log(np.maximum(probs, 1e-300))).sum()
+        shifted = np.abs(-np.log(np.maximum(probs, 1e-300)) - ent)
+        by = np.argsort(shifted, kind="stable")
+        cum = np.cumsum(probs[by])
+        i = np.arange(by.shape[0])
+        hit = np.flatnonzero((cum > p.typical_p) & (i >= p.min_keep - 1))
+        last = int(hit[0]) + 1 if hit.size else by.shape[0]
+        return order[by[:last]]
+
+    def _top_p(self, vals: np.ndarray) -> np.ndarray | None:
+        p = self.params
+        if p.top_p >= 1.0:
+            return None
+        order, probs = _sorted_softmax(vals)
+        cum = np.cumsum(probs)
+        i = np.arange(order.shape[0])
+        hit = np.flatnonzero((cum >= p.top_p) & (i + 1 >= p.min_keep))
+        last = int(hit[0]) + 1 if hit.size else order.shape[0]
+        return order[:last]
+
+    def _min_p(self, vals: np.ndarray) -> np.ndarray | None:
+        p = self.params
+        if p.min_p <= 0.0 or not vals.shape[0]:
+            return None
+        floor = vals.max() + np.log(p.min_p)  # p_i >= min_p * p_max
+        keep = np.flatnonzero(vals >= floor)
+        if keep.size and keep.size >= p.min_keep:
+            return keep
+        order = np.argsort(-vals, kind="stable")  # too few: the best min_keep
+        return order[: max(1, min(p.min_keep, order.shape[0]))]
+
+    def _xtc(self, vals: np.ndarray) -> np.ndarray | None:
+        p = self.params
+        if p.xtc_probability <= 0.0 or p.xtc_threshold > 0.5 or vals.shape[0] < 2:
+            return None
+        if self.rng.random() > p.xtc_probability:
+            return None
+        order, probs = _sorted_softmax(vals)
+        above = int(np.count_nonzero(np.cumprod(probs >= p.xtc_threshold)))
+        last = above - 1  # the least likely of the tokens above the threshold stays
+        if last > 0 and order.shape[0] - last >= p.min_keep:
+            return order[last:]
+        return None
+
+    def _temperature(self, vals: np.ndarray) -> np.ndarray:
+        p = self.params
+        t = p.temperature
+        if p.dynatemp_range > 0.0:
+            if vals.shape[0] <= 1:
+                return vals
+            lo, hi = max(0.0, t - p.dynatemp_range), t + p.dynatemp_range
+            _, probs = _sorted_softmax(vals)
+            nz = probs[probs > 0]
+            ent = -(nz * np.log(nz)).sum()
+            t = lo + (hi - lo) * (ent / np.log(vals.shape[0])) ** p.dynatemp_exponent
+        if t <= 0.0:
+            out = np.full_like(vals, -np.inf)
+            j = int(np.argmax(vals))
+            out[j] = vals[j]
+            return out
+        return vals / t
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = (), extra: Sequence[int] = ()) -> int:
         """One token from a row of logits."""
@@ -213,6 +380,20 @@ class Sampler:
         """An index drawn from a probability vector (need not be normalised)."""
         c = np.cumsum(probs)
         return int(min(np.searchsorted(c, self.rng.random() * c[-1], side="right"), len(c) - 1))
+
+
+def _sorted_softmax(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of vals from the most likely down, and their softmax probabilities."""
+    order = np.argsort(-vals, kind="stable")
+    v = vals[order].astype(np.float64)
+    probs = np.exp(v - v[0]) if v.shape[0] and np.isfinite(v[0]) else np.ones_like(v)
+    return order, probs / probs.sum()
+
+
+_STAGES: dict[str, Callable[[Sampler, np.ndarray], "np.ndarray | None"]] = {
+    "top_n_sigma": Sampler._top_n_sigma, "top_k": Sampler._top_k, "typ_p": Sampler._typical,
+    "top_p": Sampler._top_p, "min_p": Sampler._min_p, "xtc": Sampler._xtc,
+}
 
 
 def verify_rejection(sampler: Sampler, p_row: Callable[[int], np.ndarray], drafts: Sequence[int],

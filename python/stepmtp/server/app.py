@@ -671,10 +671,15 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             kw["top_p"] = min(1.0, max(0.0, req.top_p))
         if req.min_p is not None:
             kw["min_p"] = min(1.0, max(0.0, req.min_p))
-        for name in ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty"):
+        for name in ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "typical_p",
+                     "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+                     "min_keep"):
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v
+        order = req.requested_samplers()
+        if order is not None:
+            kw["samplers"] = order
         seed_shown = cfg.seed_u32
         if req.seed is not None and req.seed != -1 and (req.seed & 0xFFFFFFFF) != DEFAULT_SEED:
             kw["seed"] = req.seed & 0xFFFFFFFF

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from ..sampling import SamplingParams
+from ..sampling import DEFAULT_SAMPLERS, SamplingParams, parse_samplers
 from .config import ServerConfig
 
 PROG = "python -m stepmtp.server"
@@ -245,6 +245,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="presence penalty (default: 0.0)")
     add(g, "--frequency-penalty", metavar="N", dest="frequency_penalty", type=_float, default=d.frequency_penalty,
         help="frequency penalty (default: 0.0)")
+    add(g, "--top-nsigma", "--top-n-sigma", metavar="N", dest="top_n_sigma", type=_float, default=d.top_n_sigma,
+        help=f"top-n-sigma (default: {d.top_n_sigma:.2f}, -1.0 = disabled)")
+    add(g, "--typical", "--typical-p", metavar="N", dest="typical_p", type=_float, default=d.typical_p,
+        help=f"locally typical sampling, p (default: {d.typical_p:.2f}, 1.0 = disabled)")
+    add(g, "--xtc-probability", metavar="N", dest="xtc_probability", type=_float, default=d.xtc_probability,
+        help=f"XTC probability (default: {d.xtc_probability:.2f}, 0.0 = disabled)")
+    add(g, "--xtc-threshold", metavar="N", dest="xtc_threshold", type=_float, default=d.xtc_threshold,
+        help=f"XTC threshold (default: {d.xtc_threshold:.2f}, 1.0 = disabled)")
+    add(g, "--dynatemp-range", metavar="N", dest="dynatemp_range", type=_float, default=d.dynatemp_range,
+        help=f"dynamic temperature range (default: {d.dynatemp_range:.2f}, 0.0 = disabled)")
+    add(g, "--dynatemp-exp", metavar="N", dest="dynatemp_exponent", type=_float, default=d.dynatemp_exponent,
+        help=f"dynamic temperature exponent (default: {d.dynatemp_exponent:.2f})")
+    add(g, "--samplers", metavar="SAMPLERS", dest="samplers", default=None,
+        help=f"the samplers, in order, separated by ';' (default: {';'.join(DEFAULT_SAMPLERS)})")
+    add(g, "--sampler-seq", "--sampling-seq", metavar="SEQUENCE", dest="sampler_seq", default=None,
+        help="the samplers as letters (default: edskypmxt)")
+    add(g, "--mirostat", metavar="N", dest="mirostat", type=_int, default=0,
+        help="only 0 (disabled) is supported here")
+    add(g, "--dry-multiplier", metavar="N", dest="dry_multiplier", type=_float, default=0.0,
+        help="only 0.0 (DRY disabled) is supported here")
+    for flag, kind in (("--mirostat-lr", _float), ("--mirostat-ent", _float), ("--dry-base", _float),
+                       ("--dry-allowed-length", _int), ("--dry-penalty-last-n", _int),
+                       ("--adaptive-target", _float), ("--adaptive-decay", _float)):
+        add(g, flag, metavar="N", dest="_" + flag.strip("-").replace("-", "_"), type=kind,
+            help="accepted; no effect while mirostat, DRY and adaptive-p are off")
+    add(g, "--dry-sequence-breaker", metavar="STRING", dest="_dry_sequence_breaker", action="append",
+        help="accepted; no effect while DRY is off")
     add(g, "-s", "--seed", metavar="SEED", dest="seed", type=_int, default=-1,
         help="RNG seed (default: -1, a random seed)")
     add(g, "-n", "--predict", "--n-predict", metavar="N", dest="n_predict", type=_int, default=-1,
@@ -402,11 +429,21 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         except OSError as e:
             raise ArgError(f"failed to open file '{a.api_key_file}': {e.strerror}") from None
         keys += [ln for ln in lines if ln and not ln.startswith("#")]
+    check(a.mirostat == 0, f"--mirostat {a.mirostat}: mirostat is not supported by this server")
+    check(a.dry_multiplier == 0.0, f"--dry-multiplier {a.dry_multiplier}: DRY is not supported by this server")
+    order = DEFAULT_SAMPLERS
+    if a.samplers is not None:
+        order = parse_samplers(a.samplers)
+    if a.sampler_seq is not None:
+        order = parse_samplers(a.sampler_seq, chars=True)
     try:
         sampling = SamplingParams(
             temperature=max(0.0, a.temp), top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
             repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
             presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+            typical_p=a.typical_p, top_n_sigma=a.top_n_sigma, xtc_probability=a.xtc_probability,
+            xtc_threshold=a.xtc_threshold, dynatemp_range=a.dynatemp_range, dynatemp_exponent=a.dynatemp_exponent,
+            samplers=order,
         )
     except ValueError as e:
         raise ArgError(f"invalid sampling flag: {e}") from None

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator)
 
+from ..sampling import DEFAULT_SAMPLERS, parse_samplers
+
 INT32_MAX = 2**31 - 1
 
 
@@ -137,12 +139,20 @@ class GenerationFields(_Request):
     n_probs: Int = Field(0, ge=0)
     #: the probabilities after the sampling chain instead of the raw logits'
     post_sampling_probs: bool = False
+    # llama-server's other samplers (None: the server's value)
+    typical_p: Optional[float] = None
+    top_n_sigma: Optional[float] = None
+    xtc_probability: Optional[float] = None
+    xtc_threshold: Optional[float] = None
+    dynatemp_range: Optional[float] = None
+    dynatemp_exponent: Optional[float] = None
+    min_keep: Optional[Int] = Field(None, ge=0, le=INT32_MAX)
+    samplers: Annotated[Any, WithJsonSchema({"anyOf": [{"type": "array", "items": {"type": "string"}},
+                                                       {"type": "string"}, {"type": "null"}]})] = Field(
+        None, description="The samplers' order: names, or a string of llama.cpp's sampler letters")
     # llama-server's samplers this server does not have: refused when turned on
     mirostat: Int = 0
-    typical_p: float = 1.0
-    dynatemp_range: float = 0.0
     dry_multiplier: float = 0.0
-    xtc_probability: float = 0.0
     grammar: Optional[str] = None
     json_schema: Optional[Any] = None
 
@@ -205,15 +215,24 @@ class GenerationFields(_Request):
         out = []
         if self.mirostat != 0:
             out.append("mirostat")
-        if self.typical_p != 1.0:
-            out.append("typical_p")
-        if self.dynatemp_range != 0.0:
-            out.append("dynatemp_range")
         if self.dry_multiplier != 0.0:
             out.append("dry_multiplier (DRY)")
-        if self.xtc_probability != 0.0:
-            out.append("xtc_probability (XTC)")
+        order = self.requested_samplers()
+        for name in sorted(set(order or ()) - set(DEFAULT_SAMPLERS)):
+            out.append(f"the {name} sampler")
         return out
+
+    def requested_samplers(self) -> tuple[str, ...] | None:
+        """The samplers' order the request gives (llama-server: a list of names, or a
+        string of one-letter codes), or None."""
+        v = self.samplers
+        if v is None:
+            return None
+        if isinstance(v, str):
+            return parse_samplers(v, chars=True)
+        if isinstance(v, list):
+            return parse_samplers([x for x in v if isinstance(x, str)])
+        return None  # llama-server reads only a list or a string
 
     def requested_grammar(self) -> tuple[str, Any] | None:
         """llama-server's json_schema / grammar (GBNF): (kind, spec) for grammar.Constraint."""

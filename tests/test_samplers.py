@@ -1,0 +1,146 @@
+"""llama.cpp's other samplers (typical-p, top-n-sigma, XTC, dynamic temperature), their
+order (``samplers``) and the names llama-server reads it from; each checked against a
+direct computation of what llama.cpp's stage does."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stepmtp.sampling import DEFAULT_SAMPLERS, Sampler, SamplingParams, parse_samplers
+
+OFF = dict(top_k=0, top_p=1.0, min_p=0.0)  # the default filters out of the way
+
+
+def dist(logits, **kw) -> dict[int, float]:
+    ids, probs = Sampler(SamplingParams(**{**OFF, **kw})).distribution(np.asarray(logits, dtype=np.float32))
+    return {int(i): float(p) for i, p in zip(ids, probs) if p > 0}
+
+
+def softmax(x):
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_sampler_names_letters_and_aliases():
+    assert parse_samplers("edskypmxt", chars=True) == DEFAULT_SAMPLERS
+    assert parse_samplers("top-k;Temp;nucleus;typ;minp") == ("top_k", "temperature", "top_p", "typ_p", "min_p")
+    assert parse_samplers(["top_k", "bogus", "xtc"]) == ("top_k", "xtc")  # unknown names are dropped
+    assert parse_samplers("kz t", chars=True) == ("top_k", "temperature")
+    with pytest.raises(ValueError, match="infill"):
+        SamplingParams(samplers=("top_k", "infill"))
+
+
+def test_default_chain_is_top_k_top_p_min_p_temperature():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=500) * 3
+    got = dist(logits, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05)
+    top = np.argsort(-logits, kind="stable")[:40]
+    p = softmax(logits[top])
+    top = top[: int(np.searchsorted(np.cumsum(p), 0.9) + 1)]
+    p = softmax(logits[top])
+    top = top[p >= 0.05 * p[0]]
+    want = dict(zip(top.tolist(), softmax(logits[top] / 0.7)))
+    assert got.keys() == want.keys()
+    assert all(abs(got[k] - want[k]) < 1e-6 for k in want)
+
+
+def test_typical_p_keeps_the_tokens_closest_to_the_entropy():
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    p = softmax(logits)
+    ent = -(p * np.log(p)).sum()  # 1.14: token 1 (surprise 1.20) is the most typical, then 2 (1.90), 0 (0.69)
+    order = np.argsort(np.abs(-np.log(p) - ent), kind="stable")
+    assert order.tolist() == [1, 0, 2, 3]
+    assert set(dist(logits, temperature=1.0, typical_p=0.5)) == {1, 0}  # 0.3 + 0.5 > 0.5
+    assert set(dist(logits, temperature=1.0, typical_p=0.2)) == {1}
+    assert set(dist(logits, temperature=1.0, typical_p=0.2, min_keep=3)) == {1, 0, 2}
+    # the most likely token can go: temperature 0 is then not the argmax
+    assert not SamplingParams(temperature=0, typical_p=0.2).greedy
+    assert dist(logits, temperature=0.0, typical_p=0.2) == {1: 1.0}
+
+
+def test_top_n_sigma_keeps_logits_within_n_deviations_of_the_best():
+    logits = np.array([5.0, 4.0, 1.0, 0.0, -1.0, -3.0])
+    std = logits.std()  # 2.77
+    kept = set(dist(logits, temperature=1.0, top_n_sigma=1.5))
+    assert kept == {i for i, v in enumerate(logits) if v >= logits.max() - 1.5 * std} == {0, 1, 2}
+    assert set(dist(logits, temperature=1.0, top_n_sigma=1.0)) == {0, 1}
+    assert len(dist(logits, temperature=1.0, top_n_sigma=-1.0)) == 6
+
+
+def test_xtc_drops_all_but_the_least_likely_token_above_the_threshold():
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    got = dist(logits, temperature=1.0, xtc_probability=1.0, xtc_threshold=0.2)
+    want = dict(zip([1, 2, 3], softmax(logits[1:])))
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-6 for k in want)
+    # one token above the threshold: nothing to exclude; a threshold above 0.5: off
+    assert len(dist(logits, temperature=1.0, xtc_probability=1.0, xtc_threshold=0.4)) == 4
+    assert len(dist(logits, temperature=1.0, xtc_probability=1.0, xtc_threshold=0.6)) == 4
+    # min_keep: the cut must leave that many
+    assert len(dist(logits, temperature=1.0, xtc_probability=1.0, xtc_threshold=0.2, min_keep=4)) == 4
+    # a coin decides (probability 0.5: over many rows, about half are cut)
+    s = Sampler(SamplingParams(**OFF, temperature=1.0, xtc_probability=0.5, xtc_threshold=0.2, seed=1))
+    cut = sum(0 not in s.distribution(logits.astype(np.float32))[0] for _ in range(400))
+    assert 150 < cut < 250
+    assert not SamplingParams(temperature=0, xtc_probability=0.5).greedy
+
+
+def test_dynamic_temperature_follows_the_entropy():
+    flat = np.zeros(8)  # entropy at its maximum: the top of the range
+    got = dist(flat + np.log(np.arange(1, 9)), temperature=1.0, dynatemp_range=0.5)
+    logits = np.log(np.arange(1, 9))
+    p = softmax(logits)
+    t = 0.5 + 1.0 * (-(p * np.log(p)).sum() / np.log(8)) ** 1.0
+    want = softmax(logits / t)
+    assert all(abs(got[i] - want[i]) < 1e-6 for i in range(8))
+    got2 = dist(logits, temperature=1.0, dynatemp_range=0.5, dynatemp_exponent=2.0)
+    t2 = 0.5 + 1.0 * (-(p * np.log(p)).sum() / np.log(8)) ** 2.0
+    assert abs(got2[7] - softmax(logits / t2)[7]) < 1e-6
+    assert not SamplingParams(temperature=0, dynatemp_range=0.5).greedy  # [0, 0.5]: not greedy
+
+
+def test_order_is_the_samplers_list():
+    logits = np.log([0.4, 0.3, 0.2, 0.1])
+    # top_p 0.6 before a temperature of 3 keeps 2 tokens; after it (flatter), 3
+    assert len(dist(logits, temperature=3.0, top_p=0.6)) == 2
+    assert len(dist(logits, temperature=3.0, top_p=0.6, samplers=("temperature", "top_p"))) == 3
+    # no temperature stage: temperature 0 samples the raw softmax, not the argmax
+    assert not SamplingParams(temperature=0, samplers=("top_k",)).greedy
+    assert len(dist(logits, temperature=0.0, samplers=("top_k",))) == 4
+    assert SamplingParams(temperature=0).greedy
+
+
+def test_logit_bias_comes_before_the_penalties():
+    """llama.cpp's chain starts with the logit bias: a penalised token's logit is
+    (logit + bias) / penalty, not logit / penalty + bias."""
+    logits = np.array([2.0, 1.0, 0.0], dtype=np.float32)
+    s = Sampler(SamplingParams(temperature=0, repeat_penalty=2.0, logit_bias={0: 1.0}))
+    out = s.transform(logits, history=[0])
+    assert out[0] == pytest.approx((2.0 + 1.0) / 2.0)
+
+
+def test_new_samplers_under_speculation_are_seed_reproducible(tiny):
+    from stepmtp import Engine
+
+    kw = dict(temperature=0.9, typical_p=0.9, xtc_probability=0.5, xtc_threshold=0.1, dynatemp_range=0.3,
+              top_n_sigma=2.0, n_predict=24)
+    with Engine(tiny["embedded"], mode="chain", n_max=3, n_ctx=256) as eng:
+        a = eng.generate("def f(x):", seed=5, **kw)
+        b = eng.generate("def f(x):", seed=5, **kw)
+    assert a.tokens == b.tokens and len(a.tokens) == 24
+
+
+def test_new_samplers_are_not_biased_by_rejection_verification(tmp_path_factory):
+    """Speculation draws each token from the target's distribution under these samplers
+    too: the first three tokens' joint counts over many seeds match plain sampling's
+    (chi-square, p > 0.001), with typical-p, dynamic temperature and XTC (whose coin
+    makes each row's distribution a mixture), in an order of the request's, at a
+    temperature where drafts are accepted about half the time."""
+    from stepmtp.tiny import write_agree_model
+    from test_engine import speculation_samples_as_plain
+
+    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+    # the temperature first: the agree model's raw distribution is too peaked for typical-p
+    samp = dict(temperature=20.0, top_k=4, top_p=1.0, min_p=0.0, typical_p=0.99, dynatemp_range=5.0,
+                xtc_probability=0.5, xtc_threshold=0.2, samplers=("top_k", "temperature", "typ_p", "xtc"))
+    assert speculation_samples_as_plain(path, samp, "rejection") > 100
