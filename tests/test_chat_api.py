@@ -170,3 +170,23 @@ def test_anthropic_streaming_events(servers):
         final = s.get_final_message()
     assert final.stop_reason == "tool_use"
     assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input["units"] in ("c", "f")
+
+
+def test_thinking_budget_ends_the_reasoning(servers):
+    """llama-server's thinking_budget_tokens (and Anthropic's thinking.budget_tokens):
+    after the budget the end of thinking is forced and the answer follows, the same
+    with speculation as without."""
+    msgs = {}
+    for name in ("mtp", "plain"):
+        out = client(servers[name]).chat.completions.create(
+            model="m", messages=ASK, max_tokens=40, temperature=0, extra_body={"thinking_budget_tokens": 6})
+        msgs[name] = out.choices[0].message
+    m = msgs["mtp"]
+    assert m.content == msgs["plain"].content and m.content  # the bundled model never ends thinking by itself
+    reasoning = m.model_extra["reasoning_content"]
+    assert reasoning == msgs["plain"].model_extra["reasoning_content"]
+    free = client(servers["mtp"]).chat.completions.create(model="m", messages=ASK, max_tokens=40, temperature=0)
+    assert free.choices[0].message.content == "" and free.choices[0].message.model_extra["reasoning_content"]
+    a = anthropic_client(servers["mtp"]).messages.create(
+        model="m", max_tokens=40, messages=ASK, extra_body=GREEDY, thinking={"type": "enabled", "budget_tokens": 6})
+    assert [b.type for b in a.content] == ["thinking", "text"] and a.content[1].text == m.content

@@ -15,6 +15,7 @@ from .binding import LlamaError
 from .llama import Batch, Context, Model, ModelLoadError, default_threads
 from .mtp import SpecConfig
 from .sampling import SamplingParams
+from .budget import ReasoningBudget
 from .stats import GenStats
 from .engine import Chunk, Completion, Engine
 from .rpc import RPCError, rpc_server_path
@@ -35,6 +36,7 @@ __all__ = [
     "Chunk",
     "SpecConfig",
     "SamplingParams",
+    "ReasoningBudget",
     "GenStats",
 ]
 

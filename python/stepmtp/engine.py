@@ -11,6 +11,7 @@ import os
 import threading
 from typing import Any, Iterator, Sequence
 
+from .budget import ReasoningBudget
 from .llama import Context, LlamaError, Model, default_threads
 from .mtp import MTPDriver, Mode, Schedule, SpecConfig, Verify
 from .sampling import SamplingParams
@@ -231,7 +232,8 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                  sampling: SamplingParams | None = None, verify: Verify | None = None,
                  cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
-                 grammar: Any = None, mask_drafts: bool = True, **sampling_kw: Any) -> Completion:
+                 grammar: Any = None, mask_drafts: bool = True, reasoning_budget: "ReasoningBudget | None" = None,
+                 **sampling_kw: Any) -> Completion:
         """Generate a completion. ``sampling_kw`` are SamplingParams fields
         (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...); ``verify``
         overrides the engine's verification (exact, rejection, auto) for this request.
@@ -244,10 +246,12 @@ class Engine:
         ``grammar``: constrained decoding, a ``grammar.Constraint`` or ``(kind, spec)``
         with kind ``json_schema``, ``json_object``, ``gbnf``, ``lark`` or ``regex``;
         every target row is masked, and the heads' rows too (``mask_drafts``), so
-        what the grammar forces is drafted and accepted."""
+        what the grammar forces is drafted and accepted.
+        ``reasoning_budget``: llama-server's ``--reasoning-budget`` (``budget.ReasoningBudget``),
+        counted from the prompt's open think block if it ends in one; not with a grammar."""
         gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                                            n_probs, post_sampling_probs, grammar=grammar,
-                                           mask_drafts=mask_drafts))
+                                           mask_drafts=mask_drafts, reasoning_budget=reasoning_budget))
         while True:
             try:
                 next(gen)
@@ -257,18 +261,20 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
-               grammar: Any = None, mask_drafts: bool = True, **sampling_kw: Any) -> Iterator[Chunk]:
+               grammar: Any = None, mask_drafts: bool = True, reasoning_budget: "ReasoningBudget | None" = None,
+               **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
         return value (``StopIteration.value``) is the Completion."""
         return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                                             n_probs, post_sampling_probs, grammar=grammar,
-                                            mask_drafts=mask_drafts))
+                                            mask_drafts=mask_drafts, reasoning_budget=reasoning_budget))
 
     def _request(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
                  sampling: SamplingParams | None, sampling_kw: dict[str, Any],
                  verify: Verify | None = None, cache_prompt: bool = True, n_probs: int = 0,
                  post_sampling_probs: bool = False, preserve_tokens: Sequence[int] = (),
-                 grammar: Any = None, mask_drafts: bool = True, return_progress: bool = False) -> Request:
+                 grammar: Any = None, mask_drafts: bool = True, return_progress: bool = False,
+                 reasoning_budget: "ReasoningBudget | None" = None) -> Request:
         self._check_open()
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
@@ -299,15 +305,28 @@ class Engine:
 
             c = grammar if isinstance(grammar, Constraint) else Constraint.compile(self.model, *grammar)
             constraint = c.start()
+        if reasoning_budget is not None:
+            if constraint is not None:
+                raise ValueError("a reasoning budget and a grammar in one request are not supported")
+            constraint = reasoning_budget.start_state(self.model, self._open_think_block(prompt_tokens,
+                                                                                         reasoning_budget))
         return Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt,
                        n_probs=n_probs, post_probs=post_sampling_probs, preserved=frozenset(preserve_tokens),
                        constraint=constraint, mask_drafts=mask_drafts, return_progress=return_progress)
+
+    def _open_think_block(self, prompt_tokens: list[int], budget: "ReasoningBudget") -> str:
+        """The prompt's tail from its last start tag, when no end tag follows it (the
+        generation starts inside a think block), else nothing."""
+        tail = self.model.detokenize(prompt_tokens[-64:], unparse_special=True)
+        at = tail.rfind(budget.start)
+        return tail[at:] if at >= 0 and budget.end not in tail[at:] else ""
 
     def submit(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                preserve_tokens: Sequence[int] = (), grammar: Any = None, mask_drafts: bool = True,
-               return_progress: bool = False, n_before_user: int = 0, **sampling_kw: Any) -> Request:
+               return_progress: bool = False, n_before_user: int = 0,
+               reasoning_budget: "ReasoningBudget | None" = None, **sampling_kw: Any) -> Request:
         """Queue a generation without driving it, for a program that schedules many
         from one thread (the server): ``step()`` makes progress on every queued and
         running one; the returned request's ``chunks`` fill up as tokens are accepted
@@ -320,7 +339,7 @@ class Engine:
         (the same pieces give the same logits)."""
         req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                             n_probs, post_sampling_probs, preserve_tokens, grammar, mask_drafts,
-                            return_progress)
+                            return_progress, reasoning_budget)
         req.state.n_before_user = n_before_user
         self.slots.submit(req)
         return req

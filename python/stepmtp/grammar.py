@@ -355,6 +355,10 @@ class ConstraintState:
         ``fill_bitmask`` at the same position, instead of this state's."""
         _apply(logits, self.fill_bitmask() if bits is None else bits, self.vocab.n_vocab)
 
+    def restricts(self, bits: np.ndarray | None = None) -> bool:
+        """Whether the next row's mask may forbid anything (a grammar's always may)."""
+        return True
+
     def allowed(self, token: int) -> bool:
         """Whether the mask allows ``token`` next (computing the mask if this position
         has none yet)."""

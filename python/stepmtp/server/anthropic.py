@@ -91,6 +91,11 @@ def to_openai(body: Any) -> dict[str, Any]:
     for key in ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs", "seed"):
         if key in body:
             oai[key] = body[key]
+    # extended thinking's budget: llama-server's reasoning budget (10000 when not given)
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        budget = thinking.get("budget_tokens", 10000)
+        oai["thinking_budget_tokens"] = budget
     return oai
 
 

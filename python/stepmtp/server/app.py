@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
+from ..budget import ReasoningBudget
 from ..chat import render_builtin, render_chat as render_chat_text, template_source, user_turn_start
 from ..chat.sandbox import TemplateSandbox
 from ..engine import Completion, Engine, SlotBusy
@@ -991,6 +992,8 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         for g in gens:
             g.preserved = fmt.preserved
             g.n_before_user = n_before_user
+            if fmt.reasoning_budget > 0:
+                g.reasoning_budget = ReasoningBudget(fmt.reasoning_budget, cfg.reasoning_budget_message)
         settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
         return fmt, gens, result_info(eng, settings)
 
@@ -1104,14 +1107,20 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             constrained = forced is not None or req.requested_grammar() is not None
         except ValueError as e:
             raise bad_request(str(e)) from None
+        # llama-server: a request's thinking_budget_tokens, else --reasoning-budget
+        budget = req.thinking_budget_tokens
+        if budget is None or budget == -1:
+            budget = cfg.reasoning_budget
         # no thinking when asked, and none under a grammar: the format is the answer, in content
-        if thinking and (cfg.reasoning_budget == 0 or constrained):
+        if thinking and (budget == 0 or constrained):
             # no thinking: the think block the template opened is closed right away
             text += "\n</think>\n" if not text.endswith("\n") else "</think>\n"
             thinking = False
         source = template_source(eng.model, cfg.chat_template_source())
-        fmt = ChatFormat(step=is_step_template(source), thinking=thinking, reasoning_format=rf, tools=tools,
-                         parse_tools=bool(tools), preserved=st.preserved, grammar=forced)
+        step = is_step_template(source)
+        fmt = ChatFormat(step=step, thinking=thinking, reasoning_format=rf, tools=tools,
+                         parse_tools=bool(tools), preserved=st.preserved, grammar=forced,
+                         reasoning_budget=budget if budget > 0 and (thinking or step) and not constrained else -1)
         return fmt, text
 
     # -- chat template ----------------------------------------------------------------

@@ -80,6 +80,8 @@ class ChatFormat:
     preserved: frozenset[int] = field(default_factory=frozenset)
     #: tool_choice required / a function: the Lark grammar forcing the call(s)
     grammar: str | None = None
+    #: llama-server's reasoning budget in tokens (-1: none), for a template that thinks
+    reasoning_budget: int = -1
 
     @property
     def name(self) -> str:

@@ -319,7 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="thinking in the chat: on / off set the template's enable_thinking, auto leaves the template's "
              "default (default: auto)")
     add(g, "--reasoning-budget", metavar="N", dest="reasoning_budget", type=_int, default=-1,
-        env="LLAMA_ARG_THINK_BUDGET", help="-1: unrestricted thinking; 0: no thinking (default: -1)")
+        env="LLAMA_ARG_THINK_BUDGET", help="token budget for thinking: -1 unrestricted, 0 no thinking, N > 0: after "
+                                           "N tokens of a think block its end is forced (default: -1)")
+    add(g, "--reasoning-budget-message", metavar="MESSAGE", dest="reasoning_budget_message", default="",
+        env="LLAMA_ARG_THINK_BUDGET_MESSAGE",
+        help="text forced before the end of thinking when the budget runs out (default: none)")
     add(g, "--template-timeout", metavar="S", dest="template_timeout", type=_float, default=5.0,
         help="ours: a chat template rendering longer than this is stopped, a 400 (default: 5)")
     add(g, "--template-max-chars", metavar="N", dest="template_max_chars", type=_int, default=4 << 20,
@@ -414,8 +418,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
             chat_template = Path(a.chat_template_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ArgError(f"failed to read the chat template file '{a.chat_template_file}': {e}") from None
-    check(a.reasoning_budget in (-1, 0), f"--reasoning-budget: only -1 (unrestricted) and 0 (no thinking) are "
-                                         f"supported, got {a.reasoning_budget}")
+    check(a.reasoning_budget >= -1, f"invalid value for --reasoning-budget: {a.reasoning_budget}")
     check(a.template_timeout > 0, f"invalid value for --template-timeout: {a.template_timeout}")
     for flag, _, dest, _, _ in LIMIT_FLAGS:
         v = getattr(a, dest)
@@ -491,6 +494,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         use_jinja=a.use_jinja,
         reasoning_format=a.reasoning_format,
         reasoning_budget=a.reasoning_budget,
+        reasoning_budget_message=a.reasoning_budget_message,
         chat_template=chat_template or None,
         chat_template_kwargs={**({"enable_thinking": a.reasoning} if a.reasoning is not None else {}),
                               **(a.chat_template_kwargs or {})},

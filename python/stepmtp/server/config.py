@@ -109,6 +109,7 @@ class ServerConfig:
     reasoning_format: str = "auto"
     #: --reasoning-budget: -1 no limit, 0 no thinking (the opened <think> is closed in the prompt)
     reasoning_budget: int = -1
+    reasoning_budget_message: str = ""
     #: bounds of one template rendering (seconds, characters of output)
     template_timeout: float = 5.0
     template_max_chars: int = 4 << 20

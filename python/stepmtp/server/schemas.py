@@ -315,6 +315,8 @@ class ChatCompletionRequest(GenerationFields):
     parallel_tool_calls: Optional[bool] = None
     reasoning_format: Optional[str] = None
     reasoning_effort: Optional[str] = None
+    #: llama-server's per-request --reasoning-budget (-1: the server's)
+    thinking_budget_tokens: Optional[Int] = Field(None, ge=-1, le=INT32_MAX)
     #: vLLM's: continue the last (assistant) message instead of starting a new one
     continue_final_message: Optional[bool] = None
     logprobs: Optional[bool] = None

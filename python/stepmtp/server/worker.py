@@ -107,6 +107,8 @@ class GenRequest:
     grammar: Any = None
     #: a chat prompt's tokens before its latest user message (0: unknown)
     n_before_user: int = 0
+    #: llama-server's reasoning budget (a budget.ReasoningBudget), for a chat that thinks
+    reasoning_budget: Any = None
 
 
 _ids = itertools.count()
@@ -259,7 +261,8 @@ class Worker:
                                         sampling=req.sampling, cache_prompt=req.cache_prompt,
                                         n_probs=req.n_probs, post_sampling_probs=req.post_probs,
                                         preserve_tokens=req.preserved, grammar=req.grammar,
-                                        return_progress=req.return_progress, n_before_user=req.n_before_user)
+                                        return_progress=req.return_progress, n_before_user=req.n_before_user,
+                                        reasoning_budget=req.reasoning_budget)
         except BaseException as e:  # noqa: BLE001 - reported to the request
             self._not_waiting(job.id)
             self._finish(job, None, e, 0)
