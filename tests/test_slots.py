@@ -221,3 +221,28 @@ def test_request_ids_are_distinct():
     a = Request([1], 1, [], SamplingParams(), False)
     b = Request([1], 1, [], SamplingParams(), False)
     assert a.id != b.id
+
+
+def test_a_full_shared_cache_drops_the_drafts_before_failing_a_request(agree):
+    """A verify needs a cell per draft that plain decoding does not: when a shared
+    cache has room for the sequences' next tokens only, the round goes on without its
+    drafts (plain decoding's step, the same text) instead of failing the request as
+    out of context. Simulated: every decode that carries drafts finds no room."""
+    from stepmtp.llama import KVFullError
+
+    with Engine(agree, mode="none", n_ctx=256) as eng:
+        plain = eng.generate("def f", n_predict=24, temperature=0).tokens
+    with Engine(agree, mode="chain", n_ctx=256, n_parallel=2, kv_unified=True) as eng:
+        verify = eng.driver._verify
+        refused = []
+
+        def no_room_for_drafts(seqs):
+            if any(s.drafts for s in seqs):
+                refused.append(len(seqs))
+                raise KVFullError("no KV cache slot for the batch (context full)")
+            return verify(seqs)
+
+        eng.driver._verify = no_room_for_drafts
+        out = eng.generate("def f", n_predict=24, temperature=0)
+    assert out.tokens == plain and refused  # drafts were made, refused, and dropped
+    assert out.stats.n_accepted == 0

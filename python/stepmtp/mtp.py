@@ -770,8 +770,9 @@ class MTPDriver:
             try:
                 return self._verify(seqs)
             except KVFullError:
-                # idle slots' cached prefixes give way first (least recently used)
-                if self.evict_lru():
+                # idle slots' cached prefixes give way first (least recently used), then
+                # the drafts: speculation must not fail what plain decoding would serve
+                if self.evict_lru() or self._drop_drafts(seqs):
                     continue
                 if len(seqs) == 1:
                     raise
@@ -790,6 +791,18 @@ class MTPDriver:
                     d.seq_rm(s.seq_id)
                 outs[id(s)] = e
         return [outs[id(s)] for s in seqs]
+
+    @staticmethod
+    def _drop_drafts(seqs: list[SeqState]) -> bool:
+        """The round verifies id_last alone for every sequence (as if every draft were
+        rejected: nothing of them is in the target's KV yet); False when none had drafts."""
+        dropped = False
+        for s in seqs:
+            if s.drafts:
+                s.drafts = []
+                s.n_masked = 0
+                dropped = True
+        return dropped
 
     def _verify(self, seqs: list[SeqState]) -> list[list[int]]:
         """Verify and accept: the target decodes each sequence's id_last and drafts,
