@@ -355,8 +355,10 @@ def test_sampling_fields(client, direct):
     gs = a["generation_settings"]
     assert all(gs[k] == v for k, v in more.items()) and gs["samplers"] == ["top_k", "typ_p", "xtc", "temperature"]
     assert a["content"] == b["content"] and a["tokens_predicted"] == 16
-    assert client.get("/props").json()["default_generation_settings"]["params"]["samplers"][:3] == [
-        "penalties", "dry", "top_n_sigma"]
+    props = client.get("/props").json()
+    assert props["default_generation_settings"]["params"]["samplers"][:3] == ["penalties", "dry", "top_n_sigma"]
+    caps = props["chat_template_caps"]  # probed from the template, as llama-server reports them
+    assert len(caps) == 8 and all(isinstance(v, bool) for v in caps.values()) and caps["supports_string_content"]
 
 
 def test_curl_style_form_content_type(server):

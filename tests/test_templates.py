@@ -140,3 +140,37 @@ def test_user_turn_start():
         assert text[text.rfind(start):].startswith(start + "more")
     finally:
         m.close()
+
+
+#: llama-server's /props chat_template_caps for these templates (llama.cpp's own, in the
+#: vendored tree), read from the C++ server built here: the capabilities set
+LLAMA_SERVER_CAPS = {
+    "stepfun-ai-Step-3.5-Flash": {"object_arguments", "parallel_tool_calls", "preserve_reasoning",
+                                  "string_content", "system_role", "tool_calls", "tools"},
+    "google-gemma-2-2b-it": {"string_content"},  # raises on a system message
+    "meta-llama-Llama-3.1-8B-Instruct": {"object_arguments", "string_content", "system_role", "tool_calls",
+                                         "tools"},
+    "mistralai-Mistral-Nemo-Instruct-2407": {"object_arguments", "parallel_tool_calls", "string_content",
+                                             "system_role", "tool_calls", "tools"},
+    "microsoft-Phi-3.5-mini-instruct": {"string_content", "system_role"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_SERVER_CAPS))
+def test_template_caps_are_llama_servers(name, sandbox):
+    """/props chat_template_caps: probe conversations rendered, and what the template
+    read of them, as llama.cpp decides (in-process and in the sandbox alike)."""
+    from pathlib import Path
+
+    import stepmtp.chat as chat
+
+    path = Path(__file__).resolve().parents[1] / "vendor/llama.cpp/models/templates" / f"{name}.jinja"
+    if not path.is_file():
+        pytest.skip("the vendored llama.cpp tree is not here")
+    src = path.read_text()
+    got = {k.removeprefix("supports_") for k, v in chat.template_caps(FakeModel(), src).items() if v}
+    assert got == LLAMA_SERVER_CAPS[name]
+    chat._caps.clear()
+    got = {k.removeprefix("supports_") for k, v in chat.template_caps(FakeModel(), src, sandbox=sandbox).items() if v}
+    assert got == LLAMA_SERVER_CAPS[name]
+    chat._caps.clear()

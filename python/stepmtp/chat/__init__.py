@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from ..llama import Model
     from .sandbox import TemplateSandbox
 
-__all__ = ["render_chat", "render_builtin", "template_context", "user_turn_start", "ChatTemplateError",
-           "CHATML_TEMPLATE"]
+__all__ = ["render_chat", "render_builtin", "template_context", "template_caps", "user_turn_start",
+           "ChatTemplateError", "CHATML_TEMPLATE"]
 
 #: llama-server's fallback for a model without a template
 CHATML_TEMPLATE = (
@@ -116,6 +116,84 @@ def user_turn_start(model: "Model", template: str | None = None, *,
             n += 1
         _user_starts[key] = first[len(first) - n :] if n else ""
     return _user_starts[key]
+
+
+_TOOL = {"name": "tool", "type": "function", "function": {
+    "name": "tool1", "description": "Tool description", "parameters": {
+        "type": "object", "properties": {"arg": {"type": "string", "description": "Arg description"}},
+        "required": ["arg"]}}}
+
+
+def _call_probe(*arguments: Any) -> list[dict[str, Any]]:
+    calls = [{"id": f"call0000{i + 1}", "type": "function", "function": {"name": f"tool{i + 1}", "arguments": a}}
+             for i, a in enumerate(arguments)]
+    return [{"role": "user", "content": "User message"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
+            {"role": "assistant", "content": "The tool response was 'tool response'"},
+            {"role": "user", "content": "User message"}]
+
+
+_caps: dict[tuple[str, int, int], dict[str, bool]] = {}
+
+
+def template_caps(model: "Model", template: str | None = None, *,
+                  sandbox: "TemplateSandbox | None" = None) -> dict[str, bool]:
+    """llama-server's ``chat_template_caps``: what the template does with the parts of
+    a conversation, found as llama.cpp finds it, by rendering probe conversations and
+    seeing which of their values the template reads (a template that fails a probe
+    lacks what it probes)."""
+    source = template_source(model, template)
+    key = (source, model.bos, model.eos)
+    if key in _caps:
+        return dict(_caps[key])
+
+    def probe(messages: list[dict[str, Any]], tools: Any = None) -> tuple[bool, set[str]]:
+        ctx = template_context(model, messages, add_generation_prompt=False,
+                               variables={"tools": tools} if tools is not None else None)
+        if sandbox is not None:
+            return sandbox.probe(source, ctx)
+        used: set[str] = set()
+        try:
+            render(source, ctx, used=used)
+        except TemplateFailure:
+            return False, used
+        return True, used
+
+    # llama.cpp's checks, in its order, each on what the probe's template read
+    c = {"supports_tools": True, "supports_tool_calls": True, "supports_system_role": True,
+         "supports_parallel_tool_calls": True, "supports_preserve_reasoning": False,
+         "supports_string_content": True, "supports_typed_content": False, "supports_object_arguments": False}
+    ok, used = probe([{"role": "user", "content": "content"}])
+    if {"messages[0].content#selectattr", "messages[0].content#array_access"} & used:
+        c["supports_typed_content"] = True
+    if not ok:
+        c["supports_string_content"] = False
+    ok, used = probe([{"role": "system", "content": "System message"}, {"role": "user", "content": "User message"}])
+    if "messages[0].content" not in used:
+        c["supports_system_role"] = False
+    ok, used = probe(_call_probe({"arg": "value"}), [_TOOL])
+    if ok:  # a failed probe tells nothing here
+        c["supports_tools"] = "tools[0].function.name" in used
+        c["supports_tool_calls"] = "messages[1].tool_calls" in used
+        c["supports_object_arguments"] = c["supports_tool_calls"] and (
+            "messages[1].tool_calls[0].function.arguments.arg" in used)
+    if not c["supports_object_arguments"]:
+        ok, used = probe(_call_probe('{"arg": "value"}'), [_TOOL])
+        if not ok:
+            c["supports_tools"] = c["supports_tool_calls"] = False
+        else:
+            c["supports_tools"] &= "tools[0].function.name" in used
+            c["supports_tool_calls"] &= "messages[1].tool_calls" in used
+    args = {"arg": "value"} if c["supports_object_arguments"] else '{"arg": "value"}'
+    ok, used = probe(_call_probe(args, args), [_TOOL])
+    c["supports_parallel_tool_calls"] = ok and "messages[1].tool_calls[1].function" in used
+    ok, used = probe([{"role": "user", "content": "User message"},
+                      {"role": "assistant", "content": "Assistant message", "reasoning_content": "Reasoning content"},
+                      {"role": "user", "content": "User message"}])
+    c["supports_preserve_reasoning"] = "messages[1].reasoning_content" in used
+    _caps[key] = c
+    return dict(c)
 
 
 def render_builtin(model: "Model", messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,

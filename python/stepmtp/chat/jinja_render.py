@@ -6,8 +6,13 @@ This file imports nothing from stepmtp, so that ``sandbox.py`` can run it as a
 script in a small process of its own (``python -I jinja_render.py``): there a
 template that loops forever or allocates without bound is killed or runs out of
 its memory limit, and the server goes on. Protocol on stdin/stdout: one JSON
-object per line each way, ``{"source", "context", "max_chars"}`` in,
-``{"ok": text}`` or ``{"error": message, "kind": ...}`` out.
+object per line each way, ``{"source", "context", "max_chars", "track"}`` in,
+``{"ok": text, "used": [...]}`` or ``{"error": message, "kind": ...}`` out.
+
+``track`` (a capability probe): the messages and tools are wrapped so that what the
+template reads of them is recorded, as llama.cpp's template engine records a value's
+use: ``used`` lists the paths read (``messages[1].tool_calls[0].function``) and the
+operations applied (``messages[0].content#array_access``, ``#selectattr``).
 """
 from __future__ import annotations
 
@@ -32,13 +37,97 @@ def _raise(message: str) -> None:
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False,
             separators: Any = None) -> str:
+    _read_all(value)  # a probe: serialising reads every value
     # HF/minja's tojson: not HTML-escaped (jinja2's own escapes < > & ')
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys,
                       separators=tuple(separators) if separators else None)
 
 
+class _Use:
+    """What a probe's template read (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+
+
+def _wrap(v: Any, path: str, use: _Use) -> Any:
+    if isinstance(v, dict):
+        return _TDict(v, path, use)
+    if isinstance(v, list):
+        return _TList(v, path, use)
+    if isinstance(v, str):
+        return _TStr(v, path, use)
+    return v
+
+
+def _read_all(v: Any) -> None:
+    if isinstance(v, _TDict):
+        v.values()
+        for x in dict.values(v):
+            _read_all(x)
+    elif isinstance(v, _TList):
+        for x in v:
+            _read_all(x)
+
+
+class _TDict(dict):
+    def __init__(self, d: dict, path: str, use: _Use) -> None:
+        super().__init__({k: _wrap(x, f"{path}.{k}", use) for k, x in d.items()})
+        self._path, self._use = path, use
+
+    def __getitem__(self, k: Any) -> Any:
+        self._use.used.add(f"{self._path}.{k}")
+        return super().__getitem__(k)
+
+    def get(self, k: Any, default: Any = None) -> Any:
+        if k in self:
+            self._use.used.add(f"{self._path}.{k}")
+        return super().get(k, default)
+
+    def items(self):  # noqa: ANN201 - iterating a mapping reads every value
+        self._use.used.update(f"{self._path}.{k}" for k in self)
+        return super().items()
+
+    def values(self):  # noqa: ANN201
+        self._use.used.update(f"{self._path}.{k}" for k in self)
+        return super().values()
+
+
+class _TList(list):
+    def __init__(self, items: list, path: str, use: _Use) -> None:
+        super().__init__(_wrap(x, f"{path}[{i}]", use) for i, x in enumerate(items))
+        self._path, self._use = path, use
+
+    def __getitem__(self, i: Any) -> Any:
+        self._use.used.add(f"{self._path}#array_access")
+        return super().__getitem__(i)
+
+
+class _TStr(str):
+    def __new__(cls, s: str, path: str, use: _Use) -> "_TStr":
+        obj = super().__new__(cls, s)
+        obj._path, obj._use = path, use
+        return obj
+
+    def __getitem__(self, i: Any) -> str:
+        self._use.used.add(f"{self._path}#array_access")
+        return str.__getitem__(self, i)
+
+
+def _selectattr_tracking(env):  # noqa: ANN001, ANN202 - jinja2's filter, recording what it filters
+    base = env.filters["selectattr"]
+
+    def selectattr(context, value, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if isinstance(value, (_TList, _TStr)):
+            value._use.used.add(f"{value._path}#selectattr")
+        return base(context, value, *args, **kw)
+
+    selectattr.jinja_pass_arg = base.jinja_pass_arg
+    return selectattr
+
+
 @lru_cache(maxsize=16)
-def compile_template(source: str):  # noqa: ANN201 - a jinja2 Template
+def compile_template(source: str, track: bool = False):  # noqa: ANN201 - a jinja2 Template
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -47,18 +136,27 @@ def compile_template(source: str):  # noqa: ANN201 - a jinja2 Template
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson
+    if track:
+        env.filters["selectattr"] = _selectattr_tracking(env)
     try:
         return env.from_string(source)
     except TemplateError as e:
         raise TemplateFailure(f"invalid chat template: {e}") from e
 
 
-def render(source: str, context: dict[str, Any], max_chars: int = 0) -> str:
+def render(source: str, context: dict[str, Any], max_chars: int = 0, used: set[str] | None = None) -> str:
     """The template's output for ``context``; past ``max_chars`` characters (0: no
-    bound) a TemplateFailure of kind "size"."""
+    bound) a TemplateFailure of kind "size". ``used``: a probe, which gets the paths
+    the template read of the messages and tools (see the module docstring)."""
     from jinja2 import TemplateError
 
-    tpl = compile_template(source)
+    tpl = compile_template(source, used is not None)
+    if used is not None:
+        use = _Use()
+        use.used = used
+        context = {**context, "messages": _wrap(context.get("messages") or [], "messages", use)}
+        if context.get("tools") is not None:
+            context["tools"] = _wrap(context["tools"], "tools", use)
     parts: list[str] = []
     n = 0
     try:
@@ -88,12 +186,18 @@ def serve(max_memory: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (max_memory, max_memory))
     out = sys.stdout
     for line in sys.stdin:
+        used: set[str] | None = None
         try:
             req = json.loads(line)
-            text = render(req["source"], req["context"], int(req.get("max_chars", 0)))
+            used = set() if req.get("track") else None
+            text = render(req["source"], req["context"], int(req.get("max_chars", 0)), used)
             reply: dict[str, Any] = {"ok": text}
+            if used is not None:
+                reply["used"] = sorted(used)
         except TemplateFailure as e:
             reply = {"error": str(e), "kind": e.kind}
+            if used is not None:  # a probe: what the template read before it failed counts
+                reply["used"] = sorted(used)
         except MemoryError:
             reply = {"error": "chat template failed: out of memory", "kind": "size"}
         except Exception as e:  # noqa: BLE001 - whatever a template does, the worker answers

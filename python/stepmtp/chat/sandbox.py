@@ -84,9 +84,22 @@ class TemplateSandbox:
         self._closed = False
 
     def render(self, source: str, context: dict[str, Any]) -> str:
+        return self._render(source, context, False)["ok"]
+
+    def probe(self, source: str, context: dict[str, Any]) -> tuple[bool, set[str]]:
+        """Whether the template renders ``context``, and what it read of the messages
+        and tools, up to where it failed if it did (the paths ``jinja_render.render``
+        records for a capability probe)."""
         try:
-            payload = (json.dumps({"source": source, "context": context, "max_chars": self.max_chars},
-                                  ensure_ascii=True) + "\n").encode()
+            reply = self._render(source, context, True)
+        except ChatTemplateError:
+            return False, set()
+        return "ok" in reply, set(reply.get("used") or ())
+
+    def _render(self, source: str, context: dict[str, Any], track: bool) -> dict[str, Any]:
+        try:
+            payload = (json.dumps({"source": source, "context": context, "max_chars": self.max_chars,
+                                   "track": track}, ensure_ascii=True) + "\n").encode()
         except (TypeError, ValueError) as e:
             raise ChatTemplateError(f"chat template input is not JSON: {e}") from None
         deadline = time.monotonic() + self.timeout
@@ -105,8 +118,8 @@ class TemplateSandbox:
             self._idle.put(w)
         finally:
             self._slots.release()
-        if "ok" in reply:
-            return reply["ok"]
+        if "ok" in reply or track:
+            return reply
         raise ChatTemplateError(reply.get("error") or "chat template failed")
 
     def _take(self) -> _Worker:

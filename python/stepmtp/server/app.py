@@ -28,7 +28,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
 from ..budget import ReasoningBudget
-from ..chat import render_builtin, render_chat as render_chat_text, template_source, user_turn_start
+from ..chat import (render_builtin, render_chat as render_chat_text, template_caps, template_source,
+                    user_turn_start)
 from ..chat.sandbox import TemplateSandbox
 from ..engine import Completion, Engine, SlotBusy
 from ..sampling import SamplingParams
@@ -400,6 +401,8 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     async def props() -> dict[str, Any]:
         eng = st.need_engine()
         m = eng.model
+        caps = await run_in_threadpool(template_caps, m, cfg.chat_template_source(),
+                                       sandbox=st.templates)  # probed once per template
         return {
             "default_generation_settings": {
                 "params": F.generation_settings(default_settings(st)),
@@ -416,7 +419,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             "ui": False,
             "ui_settings": {},
             "chat_template": m.chat_template or "",
-            "chat_template_caps": {},
+            "chat_template_caps": caps,
             "bos_token": _special_text(m, m.bos),
             "eos_token": _special_text(m, m.eos),
             "build_info": f"stepmtp-{__version__}",
