@@ -154,6 +154,7 @@ class Sampler:
         self.rng = np.random.default_rng(None if seed is None or seed < 0 else seed)
         p = params
         self._penalize = p.penalizes
+        self._greedy = p.greedy  # asked per row: computed once
         # long windows: counts per token of history[synced - W : synced]
         self._dense = self._penalize and (p.repeat_last_n == -1 or p.repeat_last_n > DENSE_WINDOW)
         self._counts: np.ndarray | None = None
@@ -360,7 +361,7 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = (), extra: Sequence[int] = ()) -> int:
         """One token from a row of logits."""
-        if self.params.greedy:
+        if self._greedy:
             return int(np.argmax(self.transform(logits, history, extra)))
         ids, probs = self.distribution(logits, history, extra)
         return int(ids[self.draw(probs)])
@@ -369,7 +370,7 @@ class Sampler:
         """The whole chain's distribution over the vocabulary (float64, sums to 1);
         one-hot at the argmax when greedy."""
         out = np.zeros(logits.shape[0], dtype=np.float64)
-        if self.params.greedy:
+        if self._greedy:
             out[int(np.argmax(self.transform(logits, history, extra)))] = 1.0
         else:
             ids, probs = self.distribution(logits, history, extra)
