@@ -10,7 +10,7 @@ for the character to end), then done (a new start tag arms it again). The prompt
 tail from its last start tag is fed through first, as llama.cpp feeds the generation
 prompt, so a prompt that opens the think block starts the count.
 
-``BudgetState`` speaks the MTP driver's constraint protocol (``mask_into``,
+``BudgetState`` speaks the MTP driver's constraint protocol (``masked``, ``mask_into``,
 ``fill_bitmask``, ``allowed``, ``advance``, ``rollback``): while forcing, a row allows
 the forced token only, so drafts that agree are accepted and the verify row keeps the
 text of plain decoding.
@@ -133,29 +133,38 @@ class BudgetState:
             out.view(np.uint32)[f >> 5] = np.uint32(1) << np.uint32(f & 31)
         return out
 
-    def restricts(self, bits: np.ndarray | None = None) -> bool:
-        """Whether the next row's mask (or ``bits``, kept from ``fill_bitmask``) forbids
-        anything: only while forcing."""
+    def _forced(self, bits: np.ndarray | None) -> int | None:
+        """The token forced next (by this state, or by ``bits`` kept from
+        ``fill_bitmask`` at the same position), or None."""
         if bits is None:
-            return self.forcing is not None
-        return not (bits.view(np.uint32) == 0xFFFFFFFF).all()
+            return self.forcing
+        words = bits.view(np.uint32)
+        if (words == 0xFFFFFFFF).all():
+            return None
+        w = int(np.flatnonzero(words)[0])
+        return w * 32 + int(words[w]).bit_length() - 1
+
+    def restricts(self, bits: np.ndarray | None = None) -> bool:
+        """Whether the next row's mask forbids anything: only while forcing."""
+        return self._forced(bits) is not None
 
     def mask_into(self, logits: np.ndarray, bits: np.ndarray | None = None) -> None:
-        """What the budget forbids next at -inf, in place (``bits``: a mask kept from
-        ``fill_bitmask`` at the same position, instead of this state's)."""
-        if bits is None:
-            f = self.forcing
-            if f is None:
-                return
-        else:
-            words = bits.view(np.uint32)
-            if (words == 0xFFFFFFFF).all():
-                return
-            w = int(np.flatnonzero(words)[0])
-            f = w * 32 + int(words[w]).bit_length() - 1
-        keep = logits[f]
-        logits[:] = -np.inf
-        logits[f] = keep
+        """What the budget forbids next at -inf, in place."""
+        f = self._forced(bits)
+        if f is not None:
+            keep = logits[f]
+            logits[:] = -np.inf
+            logits[f] = keep
+
+    def masked(self, logits: np.ndarray, bits: np.ndarray | None = None) -> np.ndarray:
+        """``logits`` itself while not forcing (no copy: the verify rows of a thinking
+        chat), else a row of -inf but the forced token's."""
+        f = self._forced(bits)
+        if f is None:
+            return logits
+        out = np.full_like(logits, -np.inf)
+        out[f] = logits[f]
+        return out
 
     # -- moving ------------------------------------------------------------------
 

@@ -355,9 +355,12 @@ class ConstraintState:
         ``fill_bitmask`` at the same position, instead of this state's."""
         _apply(logits, self.fill_bitmask() if bits is None else bits, self.vocab.n_vocab)
 
-    def restricts(self, bits: np.ndarray | None = None) -> bool:
-        """Whether the next row's mask may forbid anything (a grammar's always may)."""
-        return True
+    def masked(self, logits: np.ndarray, bits: np.ndarray | None = None) -> np.ndarray:
+        """A copy of ``logits`` with ``mask_into`` applied (the driver's rows are views
+        into llama.cpp's output buffer)."""
+        out = logits.copy()
+        self.mask_into(out, bits)
+        return out
 
     def allowed(self, token: int) -> bool:
         """Whether the mask allows ``token`` next (computing the mask if this position

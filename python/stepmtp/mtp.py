@@ -265,15 +265,9 @@ def _masked(s: SeqState, row: np.ndarray, i: int | None = None) -> np.ndarray:
     """``row`` with what the sequence's constraint forbids next at -inf (a copy: the
     row is a view into llama.cpp's output buffer). ``i``: the row's depth in this
     round's verification, whose mask the drafting step may have computed already."""
-    c = s.constraint
-    if c is None:
+    if s.constraint is None:
         return row
-    bits = s.draft_bits[i] if i is not None and i < s.n_masked else None
-    if not c.restricts(bits):  # a reasoning budget that is not forcing: no copy
-        return row
-    row = row.copy()
-    c.mask_into(row, bits)
-    return row
+    return s.constraint.masked(row, s.draft_bits[i] if i is not None and i < s.n_masked else None)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -107,26 +107,18 @@ class SamplingParams:
         penalties do."""
         if self.temperature > 0.0 or self.dynatemp_range > 0.0 or "temperature" not in self.samplers:
             return False
-        active = [n for n in self.samplers if n in self._active_filters()]
+        active = self.active_filters()
         if any(n in ("typ_p", "xtc") for n in active):
             return False
         return not (self.penalizes and active and self.samplers.index(active[0]) < self.samplers.index("penalties"))
 
-    def _active_filters(self) -> set[str]:
-        out = set()
-        if self.top_n_sigma > 0:
-            out.add("top_n_sigma")
-        if self.top_k > 0:
-            out.add("top_k")
-        if self.typical_p < 1.0:
-            out.add("typ_p")
-        if self.top_p < 1.0:
-            out.add("top_p")
-        if self.min_p > 0.0:
-            out.add("min_p")
-        if self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5:
-            out.add("xtc")
-        return out
+    def active_filters(self) -> tuple[str, ...]:
+        """The filtering stages of ``samplers`` these settings turn on, in order (the
+        others pass every candidate through)."""
+        on = {"top_n_sigma": self.top_n_sigma > 0, "top_k": self.top_k > 0, "typ_p": self.typical_p < 1.0,
+              "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0,
+              "xtc": self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5}
+        return tuple(n for n in self.samplers if on.get(n))
 
     def with_(self, **kw: object) -> "SamplingParams":
         return replace(self, **kw)
@@ -155,6 +147,7 @@ class Sampler:
         p = params
         self._penalize = p.penalizes
         self._greedy = p.greedy  # asked per row: computed once
+        self._filters = frozenset(p.active_filters())
         # long windows: counts per token of history[synced - W : synced]
         self._dense = self._penalize and (p.repeat_last_n == -1 or p.repeat_last_n > DENSE_WINDOW)
         self._counts: np.ndarray | None = None
@@ -260,7 +253,7 @@ class Sampler:
                     pen = self._penalties(biased, history, extra)
                     vals = pen if ids is None else pen[ids]
                 continue
-            keep = _STAGES[stage](self, vals) if stage in _STAGES else None
+            keep = _STAGES[stage](self, vals) if stage in self._filters else None
             if keep is not None:
                 ids = keep if ids is None else ids[keep]
                 vals = vals[keep]
@@ -273,11 +266,12 @@ class Sampler:
         probs /= probs.sum()
         return ids, probs
 
-    # -- the chain's stages: each returns the indices (into vals) it keeps, or None --------
+    # -- the chain's filters (run when ``params.active_filters`` has them): each returns
+    # -- the indices (into vals) it keeps, or None for all of them ----------------------
 
     def _top_n_sigma(self, vals: np.ndarray) -> np.ndarray | None:
         n = self.params.top_n_sigma
-        if n <= 0 or vals.shape[0] <= 1:
+        if vals.shape[0] <= 1:
             return None
         fin = vals[np.isfinite(vals)].astype(np.float64)
         if not fin.size:
@@ -285,31 +279,23 @@ class Sampler:
         return np.flatnonzero(vals >= fin.max() - n * fin.std())
 
     def _top_k(self, vals: np.ndarray) -> np.ndarray | None:
-        k = self.params.top_k
-        if k <= 0:
-            return None
-        k = min(k, vals.shape[0])
+        k = min(self.params.top_k, vals.shape[0])
         top = np.argpartition(-vals, k - 1)[:k] if k < vals.shape[0] else np.arange(k)
         return top[np.argsort(-vals[top], kind="stable")]
 
     def _typical(self, vals: np.ndarray) -> np.ndarray | None:
         p = self.params
-        if p.typical_p >= 1.0:
-            return None
-        order, probs = _sorted_softmax(vals)
-        ent = -(probs * np.log(np.maximum(probs, 1e-300))).sum()
-        shifted = np.abs(-np.log(np.maximum(probs, 1e-300)) - ent)
-        by = np.argsort(shifted, kind="stable")
+        probs = _softmax(vals)
+        surprise = -np.log(np.maximum(probs, 1e-300))
+        by = np.argsort(np.abs(surprise - (probs * surprise).sum()), kind="stable")  # |surprise - entropy|
         cum = np.cumsum(probs[by])
         i = np.arange(by.shape[0])
         hit = np.flatnonzero((cum > p.typical_p) & (i >= p.min_keep - 1))
         last = int(hit[0]) + 1 if hit.size else by.shape[0]
-        return order[by[:last]]
+        return by[:last]
 
     def _top_p(self, vals: np.ndarray) -> np.ndarray | None:
         p = self.params
-        if p.top_p >= 1.0:
-            return None
         order, probs = _sorted_softmax(vals)
         cum = np.cumsum(probs)
         i = np.arange(order.shape[0])
@@ -319,7 +305,7 @@ class Sampler:
 
     def _min_p(self, vals: np.ndarray) -> np.ndarray | None:
         p = self.params
-        if p.min_p <= 0.0 or not vals.shape[0]:
+        if not vals.shape[0]:
             return None
         floor = vals.max() + np.log(p.min_p)  # p_i >= min_p * p_max
         keep = np.flatnonzero(vals >= floor)
@@ -330,7 +316,7 @@ class Sampler:
 
     def _xtc(self, vals: np.ndarray) -> np.ndarray | None:
         p = self.params
-        if p.xtc_probability <= 0.0 or p.xtc_threshold > 0.5 or vals.shape[0] < 2:
+        if vals.shape[0] < 2:
             return None
         if self.rng.random() > p.xtc_probability:
             return None
@@ -348,7 +334,7 @@ class Sampler:
             if vals.shape[0] <= 1:
                 return vals
             lo, hi = max(0.0, t - p.dynatemp_range), t + p.dynatemp_range
-            _, probs = _sorted_softmax(vals)
+            probs = _softmax(vals)
             nz = probs[probs > 0]
             ent = -(nz * np.log(nz)).sum()
             t = lo + (hi - lo) * (ent / np.log(vals.shape[0])) ** p.dynatemp_exponent
@@ -383,12 +369,17 @@ class Sampler:
         return int(min(np.searchsorted(c, self.rng.random() * c[-1], side="right"), len(c) - 1))
 
 
+def _softmax(vals: np.ndarray) -> np.ndarray:
+    v = vals.astype(np.float64)
+    m = v.max() if v.shape[0] else 0.0
+    probs = np.exp(v - m) if np.isfinite(m) else np.ones_like(v)
+    return probs / probs.sum()
+
+
 def _sorted_softmax(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Indices of vals from the most likely down, and their softmax probabilities."""
     order = np.argsort(-vals, kind="stable")
-    v = vals[order].astype(np.float64)
-    probs = np.exp(v - v[0]) if v.shape[0] and np.isfinite(v[0]) else np.ones_like(v)
-    return order, probs / probs.sum()
+    return order, _softmax(vals[order])
 
 
 _STAGES: dict[str, Callable[[Sampler, np.ndarray], "np.ndarray | None"]] = {

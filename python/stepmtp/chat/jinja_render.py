@@ -43,20 +43,14 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
                       separators=tuple(separators) if separators else None)
 
 
-class _Use:
-    """What a probe's template read (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.used: set[str] = set()
-
-
-def _wrap(v: Any, path: str, use: _Use) -> Any:
+def _wrap(v: Any, path: str, used: set[str]) -> Any:
+    """``v`` as a probe's value: what the template reads of it goes into ``used``."""
     if isinstance(v, dict):
-        return _TDict(v, path, use)
+        return _TDict(v, path, used)
     if isinstance(v, list):
-        return _TList(v, path, use)
+        return _TList(v, path, used)
     if isinstance(v, str):
-        return _TStr(v, path, use)
+        return _TStr(v, path, used)
     return v
 
 
@@ -71,46 +65,46 @@ def _read_all(v: Any) -> None:
 
 
 class _TDict(dict):
-    def __init__(self, d: dict, path: str, use: _Use) -> None:
-        super().__init__({k: _wrap(x, f"{path}.{k}", use) for k, x in d.items()})
-        self._path, self._use = path, use
+    def __init__(self, d: dict, path: str, used: set[str]) -> None:
+        super().__init__({k: _wrap(x, f"{path}.{k}", used) for k, x in d.items()})
+        self._path, self._used = path, used
 
     def __getitem__(self, k: Any) -> Any:
-        self._use.used.add(f"{self._path}.{k}")
+        self._used.add(f"{self._path}.{k}")
         return super().__getitem__(k)
 
     def get(self, k: Any, default: Any = None) -> Any:
         if k in self:
-            self._use.used.add(f"{self._path}.{k}")
+            self._used.add(f"{self._path}.{k}")
         return super().get(k, default)
 
     def items(self):  # noqa: ANN201 - iterating a mapping reads every value
-        self._use.used.update(f"{self._path}.{k}" for k in self)
+        self._used.update(f"{self._path}.{k}" for k in self)
         return super().items()
 
     def values(self):  # noqa: ANN201
-        self._use.used.update(f"{self._path}.{k}" for k in self)
+        self._used.update(f"{self._path}.{k}" for k in self)
         return super().values()
 
 
 class _TList(list):
-    def __init__(self, items: list, path: str, use: _Use) -> None:
-        super().__init__(_wrap(x, f"{path}[{i}]", use) for i, x in enumerate(items))
-        self._path, self._use = path, use
+    def __init__(self, items: list, path: str, used: set[str]) -> None:
+        super().__init__(_wrap(x, f"{path}[{i}]", used) for i, x in enumerate(items))
+        self._path, self._used = path, used
 
     def __getitem__(self, i: Any) -> Any:
-        self._use.used.add(f"{self._path}#array_access")
+        self._used.add(f"{self._path}#array_access")
         return super().__getitem__(i)
 
 
 class _TStr(str):
-    def __new__(cls, s: str, path: str, use: _Use) -> "_TStr":
+    def __new__(cls, s: str, path: str, used: set[str]) -> "_TStr":
         obj = super().__new__(cls, s)
-        obj._path, obj._use = path, use
+        obj._path, obj._used = path, used
         return obj
 
     def __getitem__(self, i: Any) -> str:
-        self._use.used.add(f"{self._path}#array_access")
+        self._used.add(f"{self._path}#array_access")
         return str.__getitem__(self, i)
 
 
@@ -119,7 +113,7 @@ def _selectattr_tracking(env):  # noqa: ANN001, ANN202 - jinja2's filter, record
 
     def selectattr(context, value, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         if isinstance(value, (_TList, _TStr)):
-            value._use.used.add(f"{value._path}#selectattr")
+            value._used.add(f"{value._path}#selectattr")
         return base(context, value, *args, **kw)
 
     selectattr.jinja_pass_arg = base.jinja_pass_arg
@@ -152,11 +146,9 @@ def render(source: str, context: dict[str, Any], max_chars: int = 0, used: set[s
 
     tpl = compile_template(source, used is not None)
     if used is not None:
-        use = _Use()
-        use.used = used
-        context = {**context, "messages": _wrap(context.get("messages") or [], "messages", use)}
+        context = {**context, "messages": _wrap(context.get("messages") or [], "messages", used)}
         if context.get("tools") is not None:
-            context["tools"] = _wrap(context["tools"], "tools", use)
+            context["tools"] = _wrap(context["tools"], "tools", used)
     parts: list[str] = []
     n = 0
     try:

@@ -995,8 +995,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         for g in gens:
             g.preserved = fmt.preserved
             g.n_before_user = n_before_user
-            if fmt.reasoning_budget > 0:
-                g.reasoning_budget = ReasoningBudget(fmt.reasoning_budget, cfg.reasoning_budget_message)
+            g.reasoning_budget = fmt.reasoning_budget
         settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
         return fmt, gens, result_info(eng, settings)
 
@@ -1121,9 +1120,10 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             thinking = False
         source = template_source(eng.model, cfg.chat_template_source())
         step = is_step_template(source)
+        thinks = budget > 0 and (thinking or step) and not constrained
         fmt = ChatFormat(step=step, thinking=thinking, reasoning_format=rf, tools=tools,
                          parse_tools=bool(tools), preserved=st.preserved, grammar=forced,
-                         reasoning_budget=budget if budget > 0 and (thinking or step) and not constrained else -1)
+                         reasoning_budget=ReasoningBudget(budget, cfg.reasoning_budget_message) if thinks else None)
         return fmt, text
 
     # -- chat template ----------------------------------------------------------------

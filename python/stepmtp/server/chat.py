@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..budget import ReasoningBudget
 from ..chat.step_format import REASONING_FORMATS, Delta, StepParser, ToolCallDelta
 from .errors import bad_request
 
@@ -80,8 +81,8 @@ class ChatFormat:
     preserved: frozenset[int] = field(default_factory=frozenset)
     #: tool_choice required / a function: the Lark grammar forcing the call(s)
     grammar: str | None = None
-    #: llama-server's reasoning budget in tokens (-1: none), for a template that thinks
-    reasoning_budget: int = -1
+    #: llama-server's reasoning budget, for a template that thinks
+    reasoning_budget: ReasoningBudget | None = None
 
     @property
     def name(self) -> str:
