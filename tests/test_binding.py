@@ -233,3 +233,38 @@ def test_a_rows_logits_do_not_depend_on_how_many_rows_its_decode_carries(embedde
     one = rows(1)
     for k in (2, 4, 8):
         assert np.array_equal(rows(k), one), k
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_a_decode_attends_past_other_sequences_cells_with_the_same_bits(embedded_model, flash_attn):
+    """Patch 0011: in a unified cache a decode's K/V window starts at its own sequences'
+    first cell (on the padding), not at cell 0: another slot's 300 cached cells below it
+    are left out. Its logits must be those of the whole window to the bit, or
+    speculation and plain decoding would part when other slots hold prompts. The
+    comparison run decodes the same rows at the same cells beside a row of the other
+    sequence that lands in cell 0 (freed for it), so its window starts at 0."""
+    m = embedded_model
+    other = (_prompt(m, 12) * 30)[:300]
+    mine = (_prompt(m, 12) * 4)[:38]
+
+    def rows(beside_cell_0: bool) -> np.ndarray:
+        with Context(m, n_ctx=1024, n_seq_max=2, kv_unified=True, n_threads=1, n_threads_batch=1,
+                     flash_attn=flash_attn) as ctx:
+            b = Batch(512)
+            b.fill(other, 0, seq=1, outputs="none")
+            ctx.decode(b)
+            b.fill(mine[:30], 0, seq=0)
+            ctx.decode(b)
+            out = []
+            for k in range(8):
+                if beside_cell_0:
+                    ctx.seq_rm(1, k, k + 1)  # frees cell k: the other row lands there
+                    b.fill(other[k : k + 1], 300 + k, seq=1, outputs="none")
+                    b.append(mine[30 + k : 31 + k], 30 + k, seq=0, outputs="all")
+                else:
+                    b.fill(mine[30 + k : 31 + k], 30 + k, seq=0, outputs="all")
+                ctx.decode(b)
+                out.append(ctx.logits_rows(1).copy())
+            return np.concatenate(out)
+
+    assert np.array_equal(rows(False), rows(True))
