@@ -144,10 +144,6 @@ class BudgetState:
         w = int(np.flatnonzero(words)[0])
         return w * 32 + int(words[w]).bit_length() - 1
 
-    def restricts(self, bits: np.ndarray | None = None) -> bool:
-        """Whether the next row's mask forbids anything: only while forcing."""
-        return self._forced(bits) is not None
-
     def mask_into(self, logits: np.ndarray, bits: np.ndarray | None = None) -> None:
         """What the budget forbids next at -inf, in place."""
         f = self._forced(bits)
