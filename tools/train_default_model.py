@@ -12,10 +12,16 @@ From scratch (phase 1 then phase 2):
     python tools/train_default_model.py --out python/stepmtp/models/
 
 The heads alone (phase 2 only) on an existing model's trunk, which is kept byte for
-byte; how the shipped model was made, from the previous one (git show
-d535fcb:python/stepmtp/models/stdlib-q8_0.gguf > base.gguf; see the README):
+byte (how the model before 08feade's was made from d535fcb's):
 
     python tools/train_default_model.py --heads-only base.gguf --out python/stepmtp/models/
+
+A fine-tune (phase 1 again from a model's weights, on the whole standard library but
+the held-out modules, then phase 2); how the shipped model was made from 08feade's
+(git show 08feade:python/stepmtp/models/stdlib-q8_0.gguf > base.gguf; see the README):
+
+    python tools/train_default_model.py --finetune base.gguf --out python/stepmtp/models/ \
+        --steps 2000 --lr 1.5e-3 --warmup 50 --head-weight 1.5 --head-steps 3000 --head-lr 2e-3
 
 Phase 1: corpus (``stepmtp.models.corpus``, the first files of ``Lib/*.py`` by
 name) -> byte-level BPE -> train the trunk and the three MTP heads together.
@@ -1050,6 +1056,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=DEFAULT_MODEL_FILE)
     ap.add_argument("--heads-only", type=Path, metavar="GGUF",
                     help="keep this model's trunk (byte for byte) and train only its MTP heads (phase 2)")
+    ap.add_argument("--finetune", type=Path, metavar="GGUF",
+                    help="phase 1 again from this model's weights (its tokenizer kept), on the whole standard "
+                         "library but the held-out modules, then phase 2 on the new trunk")
     ap.add_argument("--heads-init", choices=["file", "fresh"], default="file",
                     help="--heads-only: start from the file's heads or from a seeded random init")
     ap.add_argument("--head-embed", action="store_true",
@@ -1096,6 +1105,8 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / args.name
     if args.heads_only:
         return heads_only(args.heads_only, path, tc, args, t_start)
+    if args.finetune:
+        return finetune(args.finetune, path, tc, args, t_start)
 
     over = json.loads(args.arch)
     for key in ("swiglu_clamp_exp_trunk", "swiglu_clamp_shexp_trunk"):
@@ -1158,6 +1169,92 @@ def cached_head_data(cache: Path | None, model: StepModel, tc: TrainConfig, trun
     return data, val, desc
 
 
+#: TrainConfig fields of phase 1 alone, and those both phases use.
+PHASE1_ONLY = ("steps", "batch", "lr", "warmup", "head_weight", "distill", "init_std")
+PHASE_SHARED = ("seed", "seq_len", "lr_min_frac", "weight_decay", "router_bias_rate", "log_every")
+
+
+def library_stream(model_path: Path, files: list[Path], bos: int) -> np.ndarray:
+    """Every file that is UTF-8 as BOS + its tokens, in order. llama.cpp tokenizes
+    (``model_path``'s tokenizer, which :func:`check_tokenization` holds equal to ours):
+    ours in Python would take minutes on the whole library."""
+    from stepmtp import Model
+
+    out: list[int] = []
+    with Model(model_path) as m:
+        for p in files:
+            try:
+                text = p.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            out.append(bos)
+            out.extend(m.tokenize(text, add_special=False))
+    return np.asarray(out, dtype=np.int64)
+
+
+def export_weights(src: Path, model: StepModel, path: Path) -> None:
+    """``src`` with every tensor replaced by ``model``'s, each in the type ``src``
+    stores it in; every metadata key (tokenizer, chat template) kept."""
+    r = gguf.GGUFReader(str(src))
+    new = model.gguf_tensors()
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), r.fields["general.architecture"].contents())
+    for field in r.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for t in r.tensors:
+        arr = np.ascontiguousarray(new[t.name], dtype=np.float32)
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(t.name, arr)
+        else:
+            w.add_tensor(t.name, gguf.quants.quantize(arr, t.tensor_type), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+
+
+def finetune(src: Path, path: Path, tc: TrainConfig, args, t_start: float) -> int:
+    """Phase 1 again from ``src``'s weights, trunk and heads together, on the heads'
+    files (the whole standard library but the held-out modules: the first trunk saw
+    51 files for many epochs and had memorised them, its loss on the rest of the
+    library was 5.2 nats), then phase 2 on the new trunk as llama.cpp runs it (Q8_0).
+    ``src``'s tokenizer, chat template and metadata are kept; the phases' settings are
+    added under ``stepmtp.finetune`` and ``stepmtp.heads_training``."""
+    import tempfile
+
+    from stepmtp.models import OUT_OF_CORPUS_FILES
+
+    src = src.resolve()
+    model, tok = load_gguf_model(src, tc.seq_len)
+    files = C.head_corpus_files(OUT_OF_CORPUS_FILES)
+    stream = library_stream(src, files, model.cfg.bos_id)
+    print(f"phase 1 from {src.name}: {len(files)} files, {len(stream)} tokens")
+    print(f"train: {asdict(tc)}")
+    model = train(model.cfg, tc, stream, line_starts(stream, tok, tc.seq_len), init_state=model.state_dict())
+    print(f"phase 1: {time.perf_counter() - t_start:.0f}s")
+    with tempfile.TemporaryDirectory() as tmp:
+        trunk = Path(tmp) / "trunk.gguf"
+        export_weights(src, model, trunk)
+        model, _ = load_gguf_model(trunk, tc.seq_len)  # the heads learn the Q8_0 trunk llama.cpp runs
+        data, val, desc = cached_head_data(args.head_data, model, tc, trunk, tok)
+        train_heads(model, tc, data, val)
+        phase2 = {k: v for k, v in asdict(tc).items() if k not in PHASE1_ONLY}
+        phase1 = {k: v for k, v in asdict(tc).items() if k in PHASE1_ONLY + PHASE_SHARED}
+        meta = {"stepmtp.finetune": json.dumps({**phase1, "from": src.name, "files": len(files),
+                                                "tokens": int(len(stream)), "torch": torch.__version__}),
+                "stepmtp.heads_training": json.dumps({**phase2, "torch": torch.__version__}),
+                "stepmtp.heads_data": json.dumps(desc)}
+        export_heads(trunk, model, path, meta)
+    print(f"wrote {path} ({path.stat().st_size} bytes)")
+    print(f"total {time.perf_counter() - t_start:.0f}s")
+    return 0
+
+
 def heads_only(src: Path, path: Path, tc: TrainConfig, args, t_start: float) -> int:
     """Phase 2 alone on ``src``'s trunk: its weights (dequantized) are what the heads
     learn to draft for, llama.cpp runs ``src`` itself for the greedy text, and the
@@ -1177,9 +1274,8 @@ def heads_only(src: Path, path: Path, tc: TrainConfig, args, t_start: float) -> 
     data, val, desc = cached_head_data(args.head_data, model, tc, src, tok)
     train_heads(model, tc, data, val)
     print(f"trained the heads in {time.perf_counter() - t_start:.0f}s")
-    training = {**asdict(tc), "heads_only": True, "heads_init": args.heads_init, "torch": torch.__version__}
-    for k in ("steps", "batch", "lr", "warmup", "head_weight", "distill", "init_std"):
-        training.pop(k)  # phase 1's: the trunk is src's
+    training = {k: v for k, v in asdict(tc).items() if k not in PHASE1_ONLY}  # the trunk is src's
+    training.update(heads_only=True, heads_init=args.heads_init, torch=torch.__version__)
     meta = {"stepmtp.heads_training": json.dumps(training), "stepmtp.heads_data": json.dumps(desc)}
     before = trunk_digest(src)
     export_heads(src, model, path, meta)
