@@ -122,11 +122,30 @@ def test_cached_prompt_cut_before_the_window(path, mode):
             "100 before p1's end": (p1[:-100] + tail, 0),
         }
         for name, (prompt, cached) in cuts.items():
-            fresh = eng.generate(prompt, n_predict=64, temperature=0, cache_prompt=False)
+            fresh = eng.generate(prompt, n_predict=64, temperature=0, cache_prompt=False, n_probs=2)
             eng.generate(p1, n_predict=N_GEN, temperature=0, cache_prompt=False)
-            got = eng.generate(prompt, n_predict=64, temperature=0)
-            assert got.tokens == fresh.tokens, name
+            got = eng.generate(prompt, n_predict=64, temperature=0, n_probs=2)
             assert got.stats.n_prompt_cached == cached, name
+            _same_up_to_rounding(got, fresh, name)
+
+
+def _same_up_to_rounding(got, fresh, name: str, tie: float = 0.03, tol: float = 0.04) -> None:
+    """``got`` is ``fresh``'s text up to rounding. The two read the prompt in other
+    batches (from a checkpoint, from the start), and llama.cpp's CPU kernels round a
+    row otherwise in a batch of 4 rows than in one of 64 (so does a fresh run with
+    another ``n_ubatch``: top probabilities up to 0.012 apart on the bundled model, and
+    0.022 here), and the F16 cache keeps the difference. So: the same tokens, each with
+    a probability within ``tol`` of the fresh run's, until a token where the fresh run's
+    two best were within ``tie`` (the texts may part there). The window's cells from
+    another text (a wrong checkpoint) part the texts at once with the two best far apart."""
+    for i, (a, b) in enumerate(zip(got.tokens, fresh.tokens)):
+        pg, pf = got.probs[i], fresh.probs[i]
+        if a != b:
+            (_, p1), (_, p2) = pf.top[:2]
+            assert p1 - p2 < tie, (name, i, pf, pg)
+            return
+        assert abs(pg.p - pf.p) < tol, (name, i, pf, pg)
+    assert len(got.tokens) == len(fresh.tokens), name
 
 
 def test_swa_full_keeps_every_cell(path):
