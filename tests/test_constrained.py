@@ -45,8 +45,12 @@ def test_constrained_spec_equals_constrained_plain(bundled, grammar):
     if grammar[0] == "json_schema":
         jsonschema.validate(json.loads(plain.text), SCHEMA)
     elif grammar[0] == "json_object":
-        # the model writes one endless key here: it is JSON as far as it goes
-        assert plain.text.startswith("{") and plain.finish_reason == "length"
+        # JSON as far as it goes: a whole object where the grammar ended it (the bundled
+        # model writes {} here), the start of one where the length did
+        if plain.finish_reason == "stop":
+            assert isinstance(json.loads(plain.text), dict), plain.text
+        else:
+            assert plain.text.startswith("{") and plain.finish_reason == "length"
     else:
         assert plain.text.startswith("def ") and plain.text.endswith("):\n")
     if grammar[0] != "json_object":

@@ -1246,6 +1246,7 @@ def finetune(src: Path, path: Path, tc: TrainConfig, args, t_start: float) -> in
         phase2 = {k: v for k, v in asdict(tc).items() if k not in PHASE1_ONLY}
         phase1 = {k: v for k, v in asdict(tc).items() if k in PHASE1_ONLY + PHASE_SHARED}
         meta = {"stepmtp.finetune": json.dumps({**phase1, "from": src.name, "files": len(files),
+                                                "held_out": list(OUT_OF_CORPUS_FILES),
                                                 "tokens": int(len(stream)), "torch": torch.__version__}),
                 "stepmtp.heads_training": json.dumps({**phase2, "torch": torch.__version__}),
                 "stepmtp.heads_data": json.dumps(desc)}
