@@ -79,6 +79,31 @@ def test_json_object(model, seed):
     assert isinstance(json.loads(decode(model, state, seed)), dict)
 
 
+@pytest.mark.parametrize("schema, want", [
+    ({"items": [{"type": "integer"}]}, list),                # llama-server's suite: "[ -3000 ]"
+    ({"prefixItems": [{"type": "integer"}]}, list),
+    ({"properties": {"a": {"type": "integer"}}, "required": ["a"]}, dict),
+    ({"additionalProperties": {"type": "integer"}}, dict),
+    ({"pattern": "^[a-z]{3}$"}, str),
+    ({"format": "date"}, str),
+    ({}, dict),
+    ({"type": "array", "items": {"properties": {"x": {"type": "string"}}}}, list),
+])
+def test_untyped_schemas_are_typed_as_llama_cpp_does(tiny_vocab, schema, want):
+    """A schema without ``type`` gets the one llama.cpp's converter infers from its
+    keywords, where JSON Schema alone would allow any value; each seed's output is
+    valid and of that type (nested subschemas too)."""
+    for seed in range(4):
+        text = decode(tiny_vocab, Constraint.compile(tiny_vocab, "json_schema", schema).start(), seed)
+        value = json.loads(text)
+        assert isinstance(value, want), (schema, text)
+        # a list of item schemas is draft 7's tuple form (2020-12 calls it prefixItems)
+        draft = jsonschema.Draft7Validator if isinstance(schema.get("items"), list) else jsonschema.Draft202012Validator
+        draft(schema).validate(value)
+        if schema.get("type") == "array":
+            assert all(isinstance(v, dict) for v in value), text
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_gbnf(model, seed):
     state = Constraint.compile(model, "gbnf", 'root ::= ("yes" | "no") "!"').start()

@@ -195,8 +195,10 @@ def _grammar_text(kind: str, spec: Any, json_options: dict[str, Any] | None) -> 
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
-        if kind == "json_object" and isinstance(schema, dict) and "type" not in schema:
+        # an empty schema is an object to llama.cpp (llama-server's json_object)
+        if (kind == "json_object" or schema == {}) and isinstance(schema, dict) and "type" not in schema:
             schema = {**schema, "type": "object"}
+        schema = _typed_as_llama_cpp(schema)
         defaults = {**JSON_DEFAULTS, **(json_options or {})}
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     if not isinstance(spec, str):
@@ -210,6 +212,45 @@ def _grammar_text(kind: str, spec: Any, json_options: dict[str, Any] | None) -> 
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec)
     raise GrammarError(f"unknown grammar kind {kind!r} ({', '.join(KINDS)})")
+
+
+# keywords whose subschemas are walked, and their shape: one schema, a list, a name -> schema map
+_SUB_ONE = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else")
+_SUB_LIST = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions")
+_STRING_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
+
+
+def _typed_as_llama_cpp(schema: Any) -> Any:
+    """``schema`` with the type llama.cpp's schema converter (llama-server's default,
+    without llguidance) gives a subschema that names none: ``properties`` or a
+    non-``true`` ``additionalProperties`` make it an object, ``items`` or
+    ``prefixItems`` an array, ``pattern`` or a date/time/uuid ``format`` a string.
+    JSON Schema would let such a schema match any value (``{"items": [...]}`` then
+    allows ``true``), where llama-server constrains to the array the client meant.
+    Subschemas with ``$ref``, ``anyOf``/``oneOf``, ``const`` or ``enum`` keep theirs, as
+    llama.cpp reads those first."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUB_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _typed_as_llama_cpp(v) for k, v in out[key].items()}
+    for key in _SUB_LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [_typed_as_llama_cpp(v) for v in out[key]]
+    for key in _SUB_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _typed_as_llama_cpp(out[key])
+    if "type" in out or any(k in out for k in ("$ref", "anyOf", "oneOf", "const", "enum")):
+        return out
+    if "properties" in out or ("additionalProperties" in out and out["additionalProperties"] is not True):
+        out["type"] = "object"
+    elif "items" in out or "prefixItems" in out:
+        out["type"] = "array"
+    elif "pattern" in out or out.get("format") in _STRING_FORMATS:
+        out["type"] = "string"
+    return out
 
 
 _executor: llg.LLExecutor | None = None
