@@ -410,13 +410,67 @@ def test_widen_target_size(agree, tmp_path):
 @pytest.fixture(scope="module")
 def flash_small(tmp_path_factory: pytest.TempPathFactory):
     """The bundled model shaped like Step-3.5-Flash at a small scale, 12 trunk layers
-    (the bench's own is scale 0.25 and 45 layers: same rules, 1.7 GB)."""
+    (the bench's own is scale 1/16, 45 layers, 512 wide, F16: same rules, 3.3 GB)."""
     from stepmtp.bench.flash import shape_like_flash
     from stepmtp.bench.model import resolve_model
 
     src = resolve_model("bundled")
     res = shape_like_flash(src, tmp_path_factory.mktemp("flash") / "flash.gguf", 0.03, n_layer=12)
     return src, res
+
+
+@pytest.fixture(scope="module")
+def flash_wide(tmp_path_factory: pytest.TempPathFactory):
+    """As ``flash_small``, with the bench's own hidden width (4x the trained one) and F16."""
+    from stepmtp.bench.flash import shape_like_flash
+    from stepmtp.bench.model import resolve_model
+
+    src = resolve_model("bundled")
+    res = shape_like_flash(src, tmp_path_factory.mktemp("flash") / "wide.gguf", 0.03, n_layer=12, hidden=512,
+                           f16=True)
+    return src, res
+
+
+def test_flash_wide_shape(flash_wide):
+    """Every hidden-wide axis is 512, the trained channels first; matrices F16, norms F32
+    and scaled by sqrt(128 / 512) = 1/2 (exactly), zero past the trained channels."""
+    import gguf
+    import numpy as np
+
+    src, res = flash_wide
+    r = gguf.GGUFReader(str(res.path))
+    assert r.fields["step35.embedding_length"].contents() == 512 and res.n_embd == 512
+    t = {x.name: x for x in r.tensors}
+    s = {x.name: x for x in gguf.GGUFReader(str(src)).tensors}
+    assert [int(n) for n in t["token_embd.weight"].shape] == [512, 3872]
+    assert [int(n) for n in t["blk.3.attn_output.weight"].shape][1] == 512
+    assert [int(n) for n in t["blk.13.nextn.eh_proj.weight"].shape] == [1024, 512]
+    assert [int(n) for n in t["blk.11.ffn_down_exps.weight"].shape][1] == 512
+    assert t["blk.3.ffn_up_exps.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    # the source's 6 trunk layers and heads 6-8 are blocks 0-5 and 12-14 here
+    for name, was in (("blk.0.attn_norm.weight", "blk.0.attn_norm.weight"),
+                      ("blk.13.nextn.hnorm.weight", "blk.7.nextn.hnorm.weight"),
+                      ("output_norm.weight", "output_norm.weight")):
+        new, old = np.asarray(t[name].data), np.asarray(s[was].data)
+        assert t[name].tensor_type == gguf.GGMLQuantizationType.F32
+        assert (new[:128] == old / 2).all() and not new[128:].any()
+    # eh_proj's input is [embedding | hidden]: each half at the start of its 512
+    from gguf.quants import dequantize
+
+    old = dequantize(np.asarray(s["blk.7.nextn.eh_proj.weight"].data), s["blk.7.nextn.eh_proj.weight"].tensor_type)
+    new = np.asarray(t["blk.13.nextn.eh_proj.weight"].data).astype(np.float32)
+    assert np.array_equal(new[:128, :128], old[:, :128].astype(np.float16).astype(np.float32))
+    assert np.array_equal(new[:128, 512:640], old[:, 128:].astype(np.float16).astype(np.float32))
+    assert not new[:128, 128:512].any() and not new[:128, 640:].any() and not new[128:].any()
+
+
+def test_flash_hidden_must_be_a_power_of_4_wider(tmp_path):
+    from stepmtp.bench.flash import shape_like_flash
+    from stepmtp.bench.model import resolve_model
+
+    with pytest.raises(ValueError, match="not 128 times a power of 4"):
+        shape_like_flash(resolve_model("bundled"), tmp_path / "x.gguf", 0.03, n_layer=8, hidden=256)
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_flash_shape(flash_small):
@@ -441,14 +495,17 @@ def test_flash_shape(flash_small):
     assert "blk.11.ffn_down_exps.weight" in t and "blk.15.attn_q.weight" not in t
 
 
-def test_flash_keeps_predictions(flash_small):
-    """Greedy tokens, drafts and acceptances are the bundled model's, plain and chained;
-    a padded token's logit is the mean real logit: never the largest."""
+@pytest.mark.parametrize("shaped", ["flash_small", "flash_wide"])
+def test_flash_keeps_predictions(shaped, request):
+    """Greedy tokens, drafts and acceptances are the bundled model's, plain and chained,
+    at the trained hidden width and at 4x it in F16 (there up to rounding: these 48
+    tokens are the same); a padded token's logit is the mean real logit: never the
+    largest."""
     import numpy as np
 
     from stepmtp import Batch, Context, Engine, Model
 
-    src, res = flash_small
+    src, res = request.getfixturevalue(shaped)
     out = {}
     for path in (src, res.path):
         for mode in ("none", "chain"):
@@ -491,19 +548,22 @@ def test_bench_model_cached(tmp_path, monkeypatch):
     from stepmtp.bench import flash
     from stepmtp.bench.model import bench_model, bench_scale
 
-    assert bench_scale(96) == 0.25 and bench_scale(1) == 1 / 64
+    from stepmtp.bench.model import resolve_model
+
+    # F16 at 4x the trained width: 180 MB per decode is scale 1/16 (2.865 GB per unit scale)
+    assert bench_scale(180) == 1 / 16 and bench_scale(1) == 1 / 64 and bench_scale(720) == 0.25
     made = []
 
     def fake(src, dst, scale, **kw):
-        made.append(scale)
+        made.append((scale, kw))
         Path(dst).write_bytes(b"x")
 
     monkeypatch.setattr(flash, "shape_like_flash", fake)
     monkeypatch.setenv("STEPMTP_CACHE_DIR", str(tmp_path))
     src = tmp_path / "m.gguf"
-    src.write_bytes(b"model")
-    a = bench_model(src, 96, quiet=True)
-    assert bench_model(src, 96, quiet=True) == a and made == [0.25]
+    src.write_bytes(resolve_model("bundled").read_bytes())
+    a = bench_model(src, 180, quiet=True)
+    assert bench_model(src, 180, quiet=True) == a and made == [(1 / 16, {"hidden": 512, "f16": True})]
     assert a.parent == tmp_path / "bench" and "flash" in a.name
 
 # -- servers ----------------------------------------------------------------------------

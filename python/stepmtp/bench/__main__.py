@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-md", "--spec-draft-model", dest="mtp_model", help="a separate MTP-only GGUF with the heads")
     g.add_argument("--bench-model", dest="bench_model_mb", nargs="?", type=float, const=BENCH_MODEL_MB,
                    default=None, metavar="MB",
-                   help="run on a widened variant of the model (zero-weight FFN channels: same predictions, "
-                        f"memory-bound decode), made once and cached (default size {BENCH_MODEL_MB} MB)")
+                   help="run on a variant of the model with Step-3.5-Flash's cost shape (same predictions, "
+                        f"weight-bound decode; stepmtp.bench.flash), made once and cached (default: {BENCH_MODEL_MB} "
+                        "MB read per decode)")
     g = ap.add_argument_group("prompts")
     g.add_argument("--prompts", default=None, metavar="FILE", help="prompt set, JSON or JSONL (default: the "
                    "package's prompts/default.json)")

@@ -12,11 +12,17 @@ writes a variant of a trained model (the bundled one) with those proportions:
   residual passes through unchanged (their routers are random, so that rows spread
   over the experts as a real router does, and the zero experts cost what real ones do);
 * **width**: every weight matrix of Step-3.5-Flash has one side of the hidden width
-  (4096); the bench model keeps that side at the trained width and makes every other
-  side ``scale`` times Step-3.5-Flash's (query/key/value heads, dense and expert FFN
-  widths, vocabulary), so that bytes are spread over trunk layers, heads, output head
-  and experts as in Step-3.5-Flash, and ``scale`` sets how many bytes one decode reads
-  (memory-bound when well beyond the CPU's last-level cache);
+  (4096); the bench model keeps that side at the trained width, or (``hidden``) at a
+  power of 4 times it with zero channels, and makes every other side ``scale`` times
+  Step-3.5-Flash's (query/key/value heads, dense and expert FFN widths, vocabulary), so
+  that bytes are spread over trunk layers, heads, output head and experts as in
+  Step-3.5-Flash, and ``scale`` sets how many bytes one decode reads. The wider hidden
+  state is what makes a CPU decode weight-bound as a GPU's is: at 128 each row's dot
+  products are 128 long and their fixed cost, paid again for each verified row, and
+  attention (as many query heads as Step-3.5-Flash's over a state 32x narrower) weigh
+  as much as reading the weights;
+* **type** (``f16``): Q8_0 matrices written as F16, which a CPU core multiplies at
+  nearly the speed it reads them (Q8_0 at about a quarter of that);
 * **heads**: each MTP block is a decoder layer with Step-3.5-Flash's scaled widths,
   so a head's block costs what one trunk layer does, as in Step-3.5-Flash;
 * **output head**: the vocabulary is padded to ``scale`` x 128,896 with unused tokens
@@ -33,11 +39,12 @@ writes a variant of a trained model (the bundled one) with those proportions:
 Added channels, heads and experts are zero (a zero block is zero in every ggml type),
 placed so that each original dot product adds the same terms in the same order, and
 original heads keep their key/value head, so the greedy tokens are the trained
-model's (tested). What cannot follow: the hidden width itself (so ``eh_proj``, 2
-hidden x hidden in Step-3.5-Flash, stays tiny), the trained layers' attention kinds
-and dense layer count (1 here, 3 there).
+model's (tested; with ``hidden`` and ``f16`` up to rounding and a norm epsilon, see
+:func:`_widen_hidden`). What cannot follow: the hidden width's size itself (so
+``eh_proj``, 2 hidden x hidden in Step-3.5-Flash, stays small), the trained layers'
+attention kinds and dense layer count (1 here, 3 there).
 
-    python -m stepmtp.bench.flash SRC.gguf DST.gguf --scale 0.25
+    python -m stepmtp.bench.flash SRC.gguf DST.gguf --scale 0.0625 --hidden 512 --f16
     python -m stepmtp.bench.flash --estimate      # the cost ratios of Step-3.5-Flash
     python -m stepmtp.bench.flash --measure DST.gguf   # the same ratios, timed
 """
@@ -172,10 +179,12 @@ def estimate_costs(cfg: FlashConfig = FLASH) -> tuple[dict[str, float], str]:
     return ratios, "\n".join(lines)
 
 
-def scale_for_mb(mb: float, src_hidden: int = 128, cfg: FlashConfig = FLASH) -> float:
+def scale_for_mb(mb: float, src_hidden: int = 128, cfg: FlashConfig = FLASH, *,
+                 bytes_per_param: float = Q8_0_BYTES) -> float:
     """The ``scale`` at which a 1-row target decode of the shaped model reads about
-    ``mb`` MB of Q8_0 weights (every matrix: src_hidden x scale x Step-3.5-Flash's other side)."""
-    per_scale = decode_params(cfg)["target"][1] * src_hidden / cfg.hidden * Q8_0_BYTES
+    ``mb`` MB of weights (every matrix: src_hidden x scale x Step-3.5-Flash's other side;
+    Q8_0 unless told)."""
+    per_scale = decode_params(cfg)["target"][1] * src_hidden / cfg.hidden * bytes_per_param
     return mb * 1e6 / per_scale
 
 
@@ -260,9 +269,13 @@ def _layer_heads(cfg: FlashConfig, il: int, scale: float, head_dim: int, n_head:
 
 
 def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], scale: float = 0.25, *,
-                     n_layer: int | None = None, cfg: FlashConfig = FLASH, seed: int = 0) -> ShapeResult:
+                     n_layer: int | None = None, hidden: int | None = None, f16: bool = False,
+                     cfg: FlashConfig = FLASH, seed: int = 0) -> ShapeResult:
     """Write ``dst``: ``src`` (a ``step35`` GGUF with MTP blocks) shaped like ``cfg``
-    (Step-3.5-Flash) at ``scale``; ``n_layer`` trunk layers (default: cfg's)."""
+    (Step-3.5-Flash) at ``scale``; ``n_layer`` trunk layers (default: cfg's); ``hidden``:
+    the hidden width (default: the trained one; else the trained one times a power of 4,
+    see :func:`_widen_hidden`); ``f16``: quantized matrices written as F16 (their values
+    rounded to 11 bits), for a backend that reads F16 faster than it computes on Q8_0."""
     import gguf
 
     from .widen import copy_metadata
@@ -281,6 +294,8 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
     if n_layer < n_trunk:
         raise ValueError(f"{src} has {n_trunk} trunk layers, more than {n_layer}")
     n_embd = int(f[a("embedding_length")])
+    n_embd_new = n_embd if hidden is None else int(hidden)
+    _hidden_factor(n_embd, n_embd_new)
     head_dim = int(f[a("attention.key_length")])
     n_dense_src = int(f.get(a("leading_dense_block_count"), 0))
     top_k = int(f[a("expert_used_count")])
@@ -328,6 +343,8 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
             return [value[io] if io is not None else zero for io in old_of]
         if name == a("block_count"):
             return n_block_new
+        if name == a("embedding_length"):
+            return n_embd_new
         if name == a("expert_count"):
             return n_expert
         if name.startswith(arch + ".") and name[len(arch) + 1:] in widths:
@@ -341,7 +358,7 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
         return value
 
     w = copy_metadata(r, dst, edit)
-    shape_doc = {"scale": scale, "n_layer": n_layer, "n_expert": n_expert, "top_k": top_k,
+    shape_doc = {"scale": scale, "n_layer": n_layer, "n_embd": [n_embd, n_embd_new], "n_expert": n_expert, "top_k": top_k,
                  "n_vocab": [n_vocab, n_vocab_new], "widths": widths, "flash": asdict(cfg)}
     w.add_string("stepmtp.bench_shape", json.dumps(shape_doc, sort_keys=True))
 
@@ -349,10 +366,13 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
     rng = np.random.default_rng(seed)
 
     def keep(name: str, t: Any) -> None:
+        if n_embd_new != n_embd and _hidden_axes(name)[0] is not None:
+            grown(name, t, lambda t: t.data)
+            return
         plan.append(_Tensor(name, t.tensor_type, tuple(t.data.shape), t.data.dtype, lambda t=t: t.data))
 
     def grown(name: str, t: Any, make: Any) -> None:
-        data = make(t)
+        data = _widen_hidden(name, np.asarray(make(t)), t.tensor_type, n_embd, n_embd_new)
         plan.append(_Tensor(name, t.tensor_type, tuple(data.shape), data.dtype, lambda d=data: d))
 
     def vocab_rows(t: Any, mean_rows: bool) -> np.ndarray:
@@ -384,7 +404,7 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
     for il, io in enumerate(old_of):
         if io is None:
             plan.extend(_identity_layer(il, tensors, n_trunk - 1, heads_new[il], kv_new[il], head_dim, n_embd,
-                                        n_expert, eff, sff, rng))
+                                        n_expert, eff, sff, rng, n_embd_new))
             continue
         nh, nkv = heads_src[io], kv_src[io]
         where = _head_plan(nh, nkv, heads_new[il], kv_new[il])
@@ -423,6 +443,8 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
             else:
                 keep(name, t)
 
+    if f16:
+        plan = [_as_f16(t) for t in plan]
     for t in plan:
         nbytes = int(np.prod(t.np_shape)) * np.dtype(t.dtype).itemsize
         raw = None if np.dtype(t.dtype) != np.uint8 else t.qtype
@@ -439,13 +461,89 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
     kinds = {}
     for il in range(n_trunk, n_layer):
         kinds.setdefault("swa" if swa_new[il] else "full", (heads_new[il], kv_new[il]))
-    return ShapeResult(dst, scale, n_layer, n_embd, (n_vocab, n_vocab_new), n_expert, top_k,
+    return ShapeResult(dst, scale, n_layer, n_embd_new, (n_vocab, n_vocab_new), n_expert, top_k,
                        {**widths, "expert_count": (n_expert_src, n_expert)}, kinds,
                        src.stat().st_size, dst.stat().st_size)
 
 
+#: Tensors with the hidden width on an axis (suffix after ``blk.N.``, or the whole name):
+#: "in": the inner (ggml ne0) axis, "out": the next one, "both", "norm": an RMS norm's
+#: weight over the hidden state. eh_proj's input is two hidden states side by side.
+_HIDDEN_IN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_gate.weight", "ffn_gate.weight",
+              "ffn_up.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_gate_exps.weight",
+              "ffn_up_exps.weight", "ffn_gate_inp.weight", "nextn.shared_head_head.weight", "output.weight",
+              "token_embd.weight")
+_HIDDEN_OUT = ("attn_output.weight", "ffn_down.weight", "ffn_down_shexp.weight", "ffn_down_exps.weight")
+_HIDDEN_NORM = ("attn_norm.weight", "ffn_norm.weight", "nextn.enorm.weight", "nextn.hnorm.weight",
+                "nextn.shared_head_norm.weight", "output_norm.weight")
+
+
+def _hidden_axes(name: str) -> tuple[str | None, Any]:
+    """(kind, inner length as a function of the hidden width) of a tensor, by name."""
+    suffix = name.split(".", 2)[2] if name.startswith("blk.") else name
+    if suffix == "nextn.eh_proj.weight":
+        return "both", lambda n: 2 * n
+    if suffix in _HIDDEN_IN:
+        return "in", lambda n: n
+    if suffix in _HIDDEN_OUT:
+        return "out", lambda n: n
+    if suffix in _HIDDEN_NORM:
+        return "norm", lambda n: n
+    return None, None
+
+
+def _hidden_factor(n_embd: int, n_embd_new: int) -> float:
+    """sqrt(n_embd / n_embd_new), which must be exact: the new width is the old one times
+    a power of 4."""
+    r = n_embd_new // n_embd
+    if n_embd_new % n_embd or r < 1 or r & (r - 1) or (r.bit_length() - 1) % 2:
+        raise ValueError(f"the hidden width {n_embd_new} is not {n_embd} times a power of 4")
+    return 1.0 / math.isqrt(r)
+
+
+def _widen_hidden(name: str, data: np.ndarray, qtype: Any, n_embd: int, n_embd_new: int) -> np.ndarray:
+    """``data`` with the hidden width grown from ``n_embd`` to ``n_embd_new`` by zero
+    channels after the trained ones. A matrix's dot products then add exact zeros. An RMS
+    norm divides by the mean square over the wider state, sqrt(new / old) times smaller;
+    its weight is scaled by the inverse, a power of 2 and so exact, and the padded
+    channels stay zero. What moves is the norm's epsilon, now new / old times larger
+    against the trained channels' mean square (1e-5 -> 4e-5 at 4x, against mean squares
+    of order 1): the predictions are the trained model's up to that and summation order."""
+    kind, inner_n = _hidden_axes(name)
+    if kind is None or n_embd_new == n_embd:
+        return data
+    if kind == "norm":
+        return _place(data * np.asarray(_hidden_factor(n_embd, n_embd_new), data.dtype), -1, n_embd_new)
+    if kind in ("in", "both"):
+        n_old = _inner(qtype, inner_n(n_embd))
+        if data.shape[-1] != n_old:
+            raise AssertionError(f"{name}: inner axis {data.shape[-1]}, expected {n_old}")
+        seg = [(0, 0, _inner(qtype, n_embd))]
+        if kind == "both":  # [embedding | hidden state]: each half keeps its place in its half
+            seg.append((_inner(qtype, n_embd), _inner(qtype, n_embd_new), _inner(qtype, n_embd)))
+        data = _place(data, -1, _inner(qtype, inner_n(n_embd_new)), seg)
+    if kind in ("out", "both"):
+        data = _place(data, -2, n_embd_new)
+    return data
+
+
+
+def _as_f16(t: _Tensor) -> _Tensor:
+    """``t`` as F16 if it is quantized (norms, routers and biases are F32 and stay so)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    bs, ts = _blocks(t.qtype)
+    if bs == 1:
+        return t
+    shape = t.np_shape[:-1] + (t.np_shape[-1] // ts * bs,)
+    return _Tensor(t.name, gguf.GGMLQuantizationType.F16, shape, np.dtype(np.float16),
+                   lambda t=t: dequantize(np.asarray(t.make()), t.qtype).astype(np.float16))
+
+
 def _identity_layer(il: int, tensors: dict[str, Any], template: int, n_head: int, n_kv: int, head_dim: int,
-                    n_embd: int, n_expert: int, eff: int, sff: int, rng: np.random.Generator) -> list[_Tensor]:
+                    n_embd: int, n_expert: int, eff: int, sff: int, rng: np.random.Generator,
+                    n_embd_new: int | None = None) -> list[_Tensor]:
     """A MoE layer that leaves the residual unchanged: zero attention output and zero
     down projections (zero elsewhere too, but for the norms and a random router), with
     the types of the trained layer ``template``."""
@@ -473,13 +571,21 @@ def _identity_layer(il: int, tensors: dict[str, Any], template: int, n_head: int
             shape[-2] = n_expert
         elif suffix == "exp_probs_b.bias":
             shape[-1] = n_expert
+        if n_embd_new is not None and n_embd_new != n_embd:
+            kind, inner_n = _hidden_axes(name)
+            if kind == "norm":
+                shape[-1] = n_embd_new
+            if kind in ("in", "both"):
+                shape[-1] = _inner(qt, inner_n(n_embd_new))
+            if kind in ("out", "both"):
+                shape[-2] = n_embd_new
         shape_t = tuple(shape)
         if suffix.endswith("norm.weight"):
             make = lambda s=shape_t, d=dtype: np.ones(s, dtype=d)  # noqa: E731
         elif suffix == "ffn_gate_inp.weight":
             if _blocks(qt)[0] != 1:
                 raise ValueError(f"{name}: a quantized router is not supported")
-            router = (rng.standard_normal(shape_t) / math.sqrt(n_embd)).astype(dtype)
+            router = (rng.standard_normal(shape_t) / math.sqrt(shape_t[-1])).astype(dtype)
             make = lambda r=router: r  # noqa: E731
         else:
             make = lambda s=shape_t, d=dtype: np.zeros(s, dtype=d)  # noqa: E731
@@ -542,6 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--scale", type=float, default=None, help="Step-3.5-Flash's widths times this (default 0.25)")
     g.add_argument("--mb", type=float, default=None, help="choose the scale for this many MB read per decode")
     ap.add_argument("--layers", type=int, default=None, help=f"trunk layers (default {FLASH.n_layer})")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="hidden width: the trained one times a power of 4 (default: the trained one)")
+    ap.add_argument("--f16", action="store_true", help="write the quantized matrices as F16")
     ap.add_argument("--estimate", action="store_true", help="print Step-3.5-Flash's cost ratios and exit")
     ap.add_argument("--measure", type=Path, metavar="GGUF", help="time the decodes of a round on a model and exit")
     ap.add_argument("-n", type=int, default=40, help="--measure: decodes of each kind (default 40)")
@@ -556,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.src is None or args.dst is None:
         ap.error("give SRC and DST (or --estimate)")
     scale = args.scale if args.scale is not None else scale_for_mb(args.mb) if args.mb else 0.25
-    res = shape_like_flash(args.src, args.dst, scale, n_layer=args.layers)
+    res = shape_like_flash(args.src, args.dst, scale, n_layer=args.layers, hidden=args.hidden, f16=args.f16)
     for k, (o, n) in res.widths.items():
         print(f"{k:36s} {o} -> {n}")
     print(f"layers {res.n_layer} + MTP, heads (q/kv) of added layers {res.heads}, top-{res.top_k} of {res.n_expert} "

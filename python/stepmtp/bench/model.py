@@ -22,13 +22,26 @@ DEFAULT_MODEL = "bundled"
 MODEL_NAMES = ("tiny-agree", "bundled")
 
 #: Default size of the bench-size model: MB of weights one 1-row target decode reads
-#: (Step-3.5-Flash's shape at scale 0.25; the file is ~18x that, as Step-3.5-Flash's
-#: experts are ~18x its active weights): well beyond a CPU's last-level cache, so that
-#: a decode is memory-bound.
-BENCH_MODEL_MB = 96
+#: (Step-3.5-Flash's shape at scale 1/16 with the hidden width 4x the trained one, F16;
+#: the file is ~18x that, as Step-3.5-Flash's experts are ~18x its active weights):
+#: well beyond a CPU's last-level cache, so that a decode is memory-bound.
+BENCH_MODEL_MB = 180
+
+#: The bench-size model's hidden width, in trained widths (a power of 4, see
+#: ``flash._widen_hidden``), and its matrices' type. At the trained width (128) a
+#: decode on a CPU was neither memory-bound nor Step-3.5-Flash-shaped: 128-long dot
+#: products pay their fixed cost again for every row, and attention (Step-3.5-Flash's
+#: head counts over a 128-wide state) cost as much as the weights; and Q8_0 is decoded
+#: at a quarter of a core's memory bandwidth, F16 near it. Measured (one thread, ms of a
+#: 1-row decode; 2/3/4-row verify and a head, relative to it): trained width, Q8_0, 96
+#: MB: 40.3; 1.70 / 2.43 / 3.06, 0.033-0.041. 4x wider, Q8_0, 96 MB: 19.7; 1.97 / 2.60 /
+#: 3.08, 0.052-0.065. 4x wider, F16, 180 MB: 34.2; 1.58 / 2.18 / 2.66, 0.054-0.070.
+#: Step-3.5-Flash, memory-bound: 1.45 / 1.88 / 2.31, 0.071.
+BENCH_HIDDEN_FACTOR = 4
+BENCH_F16 = True
 
 #: Bumped when the bench-size model's recipe changes (a new cache file).
-BENCH_MODEL_RECIPE = "flash1"
+BENCH_MODEL_RECIPE = "flash2"
 
 
 def cache_dir() -> Path:
@@ -121,14 +134,15 @@ def file_sha256(path: str | os.PathLike[str], *, _cache: dict[tuple[str, int, in
 
 def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *, quiet: bool = False) -> Path:
     """The bench-size variant of ``src``: its predictions, Step-3.5-Flash's cost shape
-    (45 trunk layers, heads and output head in proportion, 36 experts per used one),
-    at the scale where a 1-row target decode reads about ``size_mb`` MB (rounded to a
-    multiple of 1/64); made on first use and cached in ``~/.cache/stepmtp/bench``
-    (``STEPMTP_CACHE_DIR``)."""
-    from .flash import shape_like_flash
+    (45 trunk layers, heads and output head in proportion, 36 experts per used one, the
+    hidden width ``BENCH_HIDDEN_FACTOR`` x the trained one, F16), at the scale where a
+    1-row target decode reads about ``size_mb`` MB (rounded to a multiple of 1/64); made
+    on first use and cached in ``~/.cache/stepmtp/bench`` (``STEPMTP_CACHE_DIR``)."""
+    from . import flash
 
     src = Path(src)
-    scale = bench_scale(size_mb)
+    hidden = BENCH_HIDDEN_FACTOR * _n_embd(src)
+    scale = bench_scale(size_mb, hidden)
     tag = file_sha256(src)[:12]
     dst = cache_dir() / "bench" / f"{src.stem}-{tag}-{BENCH_MODEL_RECIPE}-{int(size_mb)}mb.gguf"
     if dst.is_file():
@@ -136,10 +150,11 @@ def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *,
     dst.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
         print(f"bench: writing the bench-size model {dst} (Step-3.5-Flash's shape at scale {scale:g}, "
-              f"~{size_mb:.0f} MB read per decode, a ~{18 * size_mb / 1e3:.1f} GB file; once)", file=sys.stderr)
+              f"hidden {hidden}, ~{size_mb:.0f} MB read per decode, a ~{18 * size_mb / 1e3:.1f} GB file; once)",
+              file=sys.stderr)
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     try:
-        shape_like_flash(src, tmp, scale)
+        flash.shape_like_flash(src, tmp, scale, hidden=hidden, f16=BENCH_F16)
         os.replace(tmp, dst)
     finally:
         if tmp.exists():
@@ -147,8 +162,18 @@ def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *,
     return dst
 
 
-def bench_scale(size_mb: float) -> float:
-    """The shaping scale of a bench-size model reading ``size_mb`` MB per decode."""
-    from .flash import scale_for_mb
+def bench_scale(size_mb: float, hidden: int = BENCH_HIDDEN_FACTOR * 128) -> float:
+    """The shaping scale of a bench-size model of hidden width ``hidden`` reading
+    ``size_mb`` MB per decode."""
+    from .flash import Q8_0_BYTES, scale_for_mb
 
-    return max(1, round(scale_for_mb(size_mb) * 64)) / 64
+    per_param = 2.0 if BENCH_F16 else Q8_0_BYTES
+    return max(1, round(scale_for_mb(size_mb, hidden, bytes_per_param=per_param) * 64)) / 64
+
+
+def _n_embd(path: Path) -> int:
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    arch = str(r.fields["general.architecture"].contents())
+    return int(r.fields[f"{arch}.embedding_length"].contents())
