@@ -83,6 +83,7 @@ def test_reference_command_line_parses(tmp_path):
     assert cfg.sampling.temperature == 0.5 and cfg.seed == 42
     assert cfg.aliases == ["step", "flash"] and cfg.model_name() == "flash" and cfg.api_keys == ["k1", "k2"]
     assert cfg.mtp_mode == "single" and cfg.engine_mode == "none"
+    assert not cfg.batch_invariant and parse_args(["--spec-batch-invariant"]).batch_invariant
     # defaults are llama-server's
     cfg = parse_args([])
     assert cfg.model is None and cfg.spec_type == "none" and cfg.n_ctx == 0 and cfg.n_batch == 2048

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-verify", choices=["auto", "exact", "rejection"], default="auto",
                     help="verification at temperature > 0 (auto: rejection sampling)")
     ap.add_argument("--spec-adaptive", action="store_true", help="choose the draft length each round")
+    ap.add_argument("--spec-batch-invariant", action="store_true",
+                    help="each row of a verify computed as a one-row decode would (for GPU backends)")
     ap.add_argument("-c", "--ctx-size", type=int, default=4096)
     ap.add_argument("--swa-full", action="store_true", help="full-size sliding-window cache")
     ap.add_argument("-t", "--threads", type=int, default=None)
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                           verify=args.spec_verify, adaptive=args.spec_adaptive)
         with Engine(model, mtp_model=args.mtp_model, spec=spec, n_ctx=args.ctx_size,
                     n_threads=args.threads, seed=args.seed, swa_full=args.swa_full, n_gpu_layers=args.ngl,
-                    progress=sys.stderr.isatty()) as eng:
+                    batch_invariant=args.spec_batch_invariant, progress=sys.stderr.isatty()) as eng:
             if mode == modes[0]:
                 print(f"model: {model} ({eng.model.description}), MTP heads: {eng.model.n_mtp_blocks_loaded}",
                       file=sys.stderr)

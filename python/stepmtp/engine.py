@@ -60,6 +60,11 @@ class Engine:
             conversation takes the slot, a full shared cache evicts it), copied back
             into a slot for a later request that shares more with them (llama-server's
             ``--cache-ram``); 0: none kept, -1: no bound.
+        batch_invariant: the target computes each row of a decode as a decode of that
+            row alone would (llama-server's ``--spec-batch-invariant``; patch 0012), so
+            at temperature 0 speculative output equals plain decoding's on a backend
+            whose kernels depend on the batch's size (CUDA, Metal). On the CPU rows
+            already are (patches 0009, 0010): there it only costs time.
         seed: default seed of the samplers (a request's own seed wins).
         progress: show loading progress on stderr.
         debug: check the driver's invariant (pending_h == h_tgt(pos(id_last) - 1))
@@ -95,6 +100,7 @@ class Engine:
         cache_ram_mib: int = 0,
         seed: int = -1,
         flash_attn: bool | None = None,
+        batch_invariant: bool = False,
         progress: bool = False,
         debug: bool = False,
     ) -> None:
@@ -106,6 +112,13 @@ class Engine:
         self.n_parallel = n_parallel
         self._lock = threading.Lock()
         self._closed = False
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant:
+            # CUDA fuses chains of ops into one kernel only where it finds them: a
+            # verify's split products do not make the chains a one-row decode does
+            # (read once per process: a process with a batch-invariant engine keeps
+            # fusion off)
+            os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc)
         self.draft_model: Model | None = None
         self.target: Context | None = None
@@ -119,6 +132,9 @@ class Engine:
                 n_threads_batch=n_threads_batch or threads, flash_attn=flash_attn, n_seq_max=n_parallel,
             )
             self.target = Context(self.model, kv_unified=bool(kv_unified), swa_full=swa_full, **ctx_kw)
+            if self.batch_invariant:
+                # every verify: each slot's id_last and drafts
+                self.target.batch_invariant = max(2, n_parallel * (self.spec.n_max + 1))
             if self.spec.mode != "none":
                 if mtp_model is not None:
                     ngl = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft

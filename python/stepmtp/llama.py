@@ -557,6 +557,7 @@ class Context(_Closing):
         self.n_vocab = model.n_vocab
         self.n_embd = model.n_embd
         self._nextn = (False, False)
+        self._batch_invariant = 0
         model._contexts.add(self)
 
     @property
@@ -665,6 +666,21 @@ class Context(_Closing):
             raise ValueError(
                 f"MTP layer offset {offset} out of range [0, {self.model.n_mtp_blocks})"
             )
+
+    @property
+    def batch_invariant(self) -> int:
+        """Batch-invariant mode: 0 off; n: every decode of 2..n tokens computes each
+        token as a decode of that token alone would, over the whole KV cache, so a
+        row's logits do not depend on the rows decoded with it (patch 0012)."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, max_rows: int) -> None:
+        max_rows = int(max_rows)
+        if max_rows < 0:
+            raise ValueError("batch_invariant: a number of rows >= 0")
+        lib.llama_mtp_set_batch_invariant(self.ptr, max_rows)
+        self._batch_invariant = max_rows
 
     # -- KV cache -------------------------------------------------------------
 

@@ -609,7 +609,8 @@ class ServerRunner(URLRunner):
 
     def __init__(self, config: BenchConfig, model: str | Path, *, mtp_model: str | Path | None = None,
                  n_ctx: int = 2048, n_threads: int | None = None, llama_server: str | Path | None = None,
-                 startup_timeout: float = 600.0, timeout: float = 600.0, n_parallel: int = 1) -> None:
+                 startup_timeout: float = 600.0, timeout: float = 600.0, n_parallel: int = 1,
+                 batch_invariant: bool = False) -> None:
         super().__init__("http://127.0.0.1:0", config, timeout=timeout)
         self._kv_args = dict(model=model, n_ctx=n_ctx, n_parallel=-1 if config.slots < 0 else
                              (config.slots or n_parallel), mtp=config.mode != "none", mtp_model=mtp_model)
@@ -638,6 +639,8 @@ class ServerRunner(URLRunner):
                     argv += ["--spec-schedule", config.schedule]
                 if config.adaptive:
                     argv += ["--spec-adaptive"]
+        if batch_invariant and config.backend == "server":
+            argv += ["--spec-batch-invariant"]
         self.process = ServerProcess(argv, startup_timeout=startup_timeout, label=config.label)
 
     def start(self) -> None:

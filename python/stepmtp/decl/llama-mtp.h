@@ -9,3 +9,5 @@ void    llama_mtp_set_embeddings_nextn(struct llama_context * ctx, bool value, b
 float * llama_mtp_get_embeddings_nextn(struct llama_context * ctx);
 float * llama_mtp_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 void    llama_mtp_context_memory(const struct llama_context * ctx, size_t * kv, size_t * compute, size_t * output);
+/* patches/0012-batch-invariant-graph.patch */
+void    llama_mtp_set_batch_invariant(struct llama_context * ctx, int32_t max_rows);

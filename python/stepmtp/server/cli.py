@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: auto = rejection)")
     add(g, "--spec-adaptive", dest="adaptive", action="store_true",
         help="choose the draft length (0..n-max) each round from measured acceptance and costs")
+    add(g, "--spec-batch-invariant", dest="batch_invariant", action="store_true",
+        help="compute each row of a verify as a one-row decode would, so that at temperature 0 speculative "
+             "output equals plain decoding's on GPU backends too (costs time; the CPU needs no such mode)")
     add(g, "--spec-draft-model", "-md", "--model-draft", metavar="FNAME", dest="mtp_model",
         env="LLAMA_ARG_SPEC_DRAFT_MODEL", help="a separate MTP-only GGUF with the heads (default: from -m)")
     add(g, "--spec-draft-n-max", metavar="N", dest="n_max", type=_int, default=3, env="LLAMA_ARG_SPEC_DRAFT_N_MAX",
@@ -462,6 +465,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         schedule=a.schedule,
         verify=a.verify,
         adaptive=a.adaptive,
+        batch_invariant=a.batch_invariant,
         n_max=a.n_max,
         n_min=a.n_min,
         p_min=a.p_min,

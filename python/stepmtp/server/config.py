@@ -46,6 +46,8 @@ class ServerConfig:
     verify: str = "auto"
     #: --spec-adaptive: choose the draft length each round
     adaptive: bool = False
+    #: --spec-batch-invariant: each row of a target decode computed as if alone
+    batch_invariant: bool = False
     #: -c; 0: the model's training context
     n_ctx: int = 0
     n_batch: int = 2048
@@ -187,4 +189,5 @@ class ServerConfig:
             ctx_checkpoints=self.ctx_checkpoints,
             seed=self.seed if 0 <= self.seed < DEFAULT_SEED else -1,
             flash_attn=self.flash_attn,
+            batch_invariant=self.batch_invariant,
         )

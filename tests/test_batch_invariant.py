@@ -1,0 +1,143 @@
+"""Batch-invariant mode (patch 0012): each row of a small decode computed as a decode of
+that row alone, so a verify's rows are plain decoding's bits on any backend.
+
+This machine has no GPU, so the tests make the CPU behave like one: with
+GGML_CPU_ROW_INVARIANT_ROWS=0 (patch 0010 off) llama.cpp's CPU products of 2+ rows of
+the tiny model's F32 weights sum otherwise than one row does, as CUDA's kernels do. The
+environment is read once per process: those checks run in a child process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from stepmtp import Batch, Context, Engine
+
+
+def _child(code: str, *args: str, **env: str) -> dict:
+    """Run ``code`` (with ``args``) in a fresh interpreter with ``env`` added; it prints
+    one JSON line."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                       env={**os.environ, "STEPMTP_N_THREADS": "1", **env}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+ROWS = r"""
+    import json, sys
+    import numpy as np
+    from stepmtp import Batch, Context, Model
+
+    m = Model(sys.argv[1])
+    toks = m.tokenize("import os\nimport sys\n\ndef main(argv):\n", add_special=False)[:12]
+    other = m.tokenize("class Point:\n    def __init__(self, x, y):\n", add_special=False)[:12]
+    toks, other = (toks * 4)[:40], (other * 4)[:40]
+    start = 24
+
+    def rows(k, invariant, flash_attn, two_seqs, apart=False):
+        # {(seq, pos): logits} of rows start..start+8 of one sequence decoded k at a
+        # time, beside as many rows of a second one (a stream of its own) when two_seqs,
+        # in the same decodes, or in decodes of their own when apart
+        got = {}
+        with Context(m, n_ctx=512, n_seq_max=2, n_threads=1, n_threads_batch=1, flash_attn=flash_attn) as ctx:
+            ctx.batch_invariant = 16 if invariant else 0
+            b = Batch(64)
+            b.fill(toks[:start], 0, seq=0, outputs="none")
+            if two_seqs:
+                b.append(other[:start], 0, seq=1)
+            ctx.decode(b)
+            seqs = [(0, toks), (1, other)] if two_seqs else [(0, toks)]
+            for s in range(start, start + 8, k):
+                for group in ([[x] for x in seqs] if apart else [seqs]):
+                    b.clear()
+                    for seq, tt in group:
+                        b.append(tt[s : s + k], s, seq=seq, outputs="all")
+                    ctx.decode(b)
+                    lg = ctx.logits_rows(b.n).copy()
+                    for j, (seq, _) in enumerate(group):
+                        for i in range(k):
+                            got[(seq, s + i)] = lg[j * k + i]
+        return got
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(np.array_equal(a[x], b[x]) for x in a)
+
+    res = {}
+    # flash attention off, two streams of 2+ rows part from the rows alone with the
+    # mode or without it, on any CPU build: that is upstream's, not a kernel's choice
+    for fa, two in ((True, False), (True, True), (False, False)):
+        one = rows(1, False, fa, two, apart=True)  # every row decoded alone
+        res[f"fa={fa} two={two}"] = {
+            "plain_4_equal": same(rows(4, False, fa, two), one),
+            "invariant": [same(rows(k, True, fa, two), one) for k in (1, 2, 4, 8)],
+        }
+    print(json.dumps(res))
+"""
+
+
+def test_rows_are_one_row_decodes_on_a_cpu_whose_kernels_depend_on_the_batch(tiny):
+    """Without the mode, 4-row decodes differ from 1-row ones (that is the GPU-like
+    CPU); with it, rows of 2, 4 and 8-row decodes equal the 1-row decodes bit for bit:
+    one sequence or two (each its own stream) with flash attention, one without."""
+    res = _child(ROWS, str(tiny["embedded"]), GGML_CPU_ROW_INVARIANT_ROWS="0")
+    if all(r["plain_4_equal"] for r in res.values()):
+        pytest.skip("this CPU's kernels sum 4 rows as 1 even without patch 0010: nothing to show")
+    for key, r in res.items():
+        assert r["invariant"] == [True, True, True, True], key
+
+
+def test_speculation_equals_plain_decoding_there(tiny):
+    """End to end on that CPU, temperature 0: with the mode, the chained heads' text is
+    plain decoding's for one sequence and for two decoded together."""
+    code = f"""
+        import json
+        from stepmtp import Engine
+        prompts = ["import os\\nimport sys\\n", "class Point:\\n    def"]
+        out = {{}}
+        for mode in ("none", "chain"):
+            with Engine({str(tiny["embedded"])!r}, mode=mode, n_max=3, n_ctx=512, n_parallel=2,
+                        batch_invariant=True) as eng:
+                one = eng.generate(prompts[0], n_predict=48, temperature=0).text
+                both = [r.text for r in eng.generate_many(prompts, n_predict=48, temperature=0)]
+                out[mode] = [one, *both]
+                if mode == "chain":
+                    out["drafted"] = eng.generate(prompts[0], n_predict=48, temperature=0).stats.n_drafted
+        print(json.dumps(out))
+    """
+    res = _child(code, GGML_CPU_ROW_INVARIANT_ROWS="0")
+    assert res["drafted"] > 0
+    assert res["chain"] == res["none"]
+
+
+def test_the_mode_changes_nothing_where_rows_already_agree(tiny):
+    """On this CPU with patch 0010 rows are invariant already: the mode's split graph
+    gives the same bits (a wrong view or join would not)."""
+    m_path = tiny["embedded"]
+    outs = {}
+    for invariant in (False, True):
+        with Engine(m_path, mode="chain", n_max=3, n_ctx=512, n_parallel=2, batch_invariant=invariant) as eng:
+            assert eng.target.batch_invariant == (8 if invariant else 0)
+            outs[invariant] = [(r.text, r.stats.n_accepted) for r in
+                               eng.generate_many(["def f(x):\n", "import re\n"], n_predict=40, temperature=0)]
+    assert outs[True] == outs[False]
+
+
+def test_the_setter(embedded_model):
+    with Context(embedded_model, n_ctx=128, n_threads=1) as ctx:
+        toks = embedded_model.tokenize("import os\n", add_special=False)
+        b = Batch(16)
+        ctx.batch_invariant = 4
+        b.fill(toks[:4], 0, outputs="all")
+        ctx.decode(b)
+        a = ctx.logits_rows(4).copy()
+        ctx.batch_invariant = 0  # off again: the unsplit graph, same bits on this CPU
+        ctx.seq_rm(0)
+        ctx.decode(b)
+        assert np.array_equal(ctx.logits_rows(4), a) and ctx.batch_invariant == 0
+        with pytest.raises(ValueError):
+            ctx.batch_invariant = -1
