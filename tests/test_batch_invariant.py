@@ -142,3 +142,27 @@ def test_the_setter(embedded_model):
         assert np.array_equal(ctx.logits_rows(4), a) and ctx.batch_invariant == 0
         with pytest.raises(ValueError):
             ctx.batch_invariant = -1
+
+
+def test_the_server_flag(tiny, tmp_path):
+    """``--spec-batch-invariant`` puts the server's target in the mode (in /props and
+    its log) and its temperature-0 text is plain decoding's."""
+    import httpx
+
+    from test_server import ServerProcess
+
+    srv = ServerProcess(["-m", str(tiny["embedded"]), "--spec-type", "draft-mtp", "--spec-batch-invariant",
+                         "-np", "2", "-c", "1024", "-t", "1"], tmp_path)
+    try:
+        srv.wait_ready()
+        props = httpx.get(srv.url + "/props", timeout=30).json()
+        body = httpx.post(srv.url + "/completion", json={"prompt": "def f(x):\n", "n_predict": 32,
+                                                         "temperature": 0}, timeout=60).json()
+        log = srv.log()
+    finally:
+        srv.stop()
+    assert props["stepmtp"]["batch_invariant"] == 2 * (3 + 1)
+    assert "batch-invariant target: decodes of up to 8 rows" in log
+    assert body["mtp"]["draft_n"] > 0
+    with Engine(tiny["embedded"], mode="none", n_ctx=512, n_threads=1) as eng:
+        assert body["content"] == eng.generate("def f(x):\n", n_predict=32, temperature=0).text

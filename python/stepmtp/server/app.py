@@ -140,6 +140,9 @@ class ServerState:
                          cfg.mtp_mode, cfg.n_max, self.n_draft, cfg.n_min, cfg.p_min)
             else:
                 log.info("speculation: none (--spec-type draft-mtp to draft with the MTP heads)")
+            if cfg.batch_invariant:
+                log.info("batch-invariant target: decodes of up to %d rows computed a row at a time, attention "
+                         "over the whole KV cache", engine.target.batch_invariant)
             log.info("context: n_ctx %d, n_batch %d, n_ubatch %d", engine.n_ctx, engine.target.n_batch,
                      engine.target.n_ubatch)
             log.info("slots: %d, decoded together; n_ctx per slot %d (%s KV cache)", engine.n_parallel,
@@ -435,6 +438,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 "n_draft": st.n_draft,
                 "n_min": cfg.n_min,
                 "p_min": cfg.p_min,
+                "batch_invariant": eng.target.batch_invariant,
                 "n_parallel": cfg.n_parallel,
                 "concurrent_sequences": eng.n_parallel,
                 # bytes of llama.cpp's buffers (KV cache, compute, output) per context
