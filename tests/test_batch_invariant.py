@@ -39,12 +39,14 @@ ROWS = r"""
     toks, other = (toks * 4)[:40], (other * 4)[:40]
     start = 24
 
-    def rows(k, invariant, flash_attn, two_seqs, apart=False):
+    def rows(k, invariant, flash_attn, two_seqs, unified, apart=False):
         # {(seq, pos): logits} of rows start..start+8 of one sequence decoded k at a
-        # time, beside as many rows of a second one (a stream of its own) when two_seqs,
-        # in the same decodes, or in decodes of their own when apart
+        # time, beside as many rows of a second one when two_seqs (a stream of its own,
+        # or sharing a unified cache), in the same decodes, or in decodes of their own
+        # when apart
         got = {}
-        with Context(m, n_ctx=512, n_seq_max=2, n_threads=1, n_threads_batch=1, flash_attn=flash_attn) as ctx:
+        with Context(m, n_ctx=512, n_seq_max=2, n_threads=1, n_threads_batch=1, flash_attn=flash_attn,
+                     kv_unified=unified) as ctx:
             ctx.batch_invariant = 16 if invariant else 0
             b = Batch(64)
             b.fill(toks[:start], 0, seq=0, outputs="none")
@@ -68,14 +70,18 @@ ROWS = r"""
         return a.keys() == b.keys() and all(np.array_equal(a[x], b[x]) for x in a)
 
     res = {}
-    # left out: flash attention off with two streams of 2+ rows each. Those rows part
-    # from the rows decoded alone by the same bits with the mode as without it, and with
-    # patch 0010 on: not the kernels' choice this mode addresses (not found yet)
-    for fa, two in ((True, False), (True, True), (False, False)):
-        one = rows(1, False, fa, two, apart=True)  # every row decoded alone
-        res[f"fa={fa} two={two}"] = {
-            "plain_4_equal": same(rows(4, False, fa, two), one),
-            "invariant": [same(rows(k, True, fa, two), one) for k in (1, 2, 4, 8)],
+    # left out: flash attention off, two sequences in a unified cache. Decoded together
+    # their rows take cells in another order than decoded one sequence at a time, and
+    # attention without flash attention sums the cells in SIMD lanes by cell index, so
+    # those rows part by the same bits with the mode, without it, and with patch 0010
+    # on: where the cells lie, not how many rows a kernel saw (flash attention sums a
+    # row's cells one by one in cell order; separate streams keep each sequence's order)
+    for fa, two, unified in ((True, False, False), (True, True, False), (True, True, True),
+                             (False, False, False), (False, True, False)):
+        one = rows(1, False, fa, two, unified, apart=True)  # every row decoded alone
+        res[f"fa={fa} two={two} unified={unified}"] = {
+            "plain_4_equal": same(rows(4, False, fa, two, unified), one),
+            "invariant": [same(rows(k, True, fa, two, unified), one) for k in (1, 2, 4, 8)],
         }
     print(json.dumps(res))
 """
@@ -84,7 +90,8 @@ ROWS = r"""
 def test_rows_are_one_row_decodes_on_a_cpu_whose_kernels_depend_on_the_batch(tiny):
     """Without the mode, 4-row decodes differ from 1-row ones (that is the GPU-like
     CPU); with it, rows of 2, 4 and 8-row decodes equal the 1-row decodes bit for bit:
-    one sequence or two (each its own stream) with flash attention, one without."""
+    one sequence or two (each its own stream), with flash attention or without, and two
+    in a unified cache with flash attention."""
     res = _child(ROWS, str(tiny["embedded"]), GGML_CPU_ROW_INVARIANT_ROWS="0")
     if all(r["plain_4_equal"] for r in res.values()):
         pytest.skip("this CPU's kernels sum 4 rows as 1 even without patch 0010: nothing to show")
