@@ -449,7 +449,7 @@ def test_adaptive_policy_keeps_a_draft_by_its_probability():
         n = pol.choose()
         pol.observe(n, min(n, 2), probs=[0.95, 0.95, 0.2][:n])
         clock.t += 2 + n
-    assert pol.choose() == 2 and pol.costs.accept_given(2, 0.2, pol.accept[2]) < 0.3
+    assert pol.choose() == 2 and pol.costs.accept_given(2, pol.costs.p_bin(0.2), pol.accept[2]) < 0.3
     assert pol.keep(0, 0.95) and pol.keep(1, 0.95)
     # depth 2 at 0.2: its chance (~0) is below the row's worth, 1 s x 0.75 tokens/s
     kept = [pol.keep(2, 0.2) for _ in range(2 * pol.EXPLORE)]

@@ -158,10 +158,10 @@ class RoundCosts:
         self._bin_acc[depth][b] = self.accept_decay * self._bin_acc[depth][b] + accepted
         self._bin_n[depth][b] = self.accept_decay * self._bin_n[depth][b] + 1.0
 
-    def accept_given(self, depth: int, p: float, prior: float) -> float:
-        """The chance a draft at ``depth`` with probability ``p`` is accepted, the drafts
-        before it accepted: its bin's record plus BIN_PRIOR drafts at ``prior``."""
-        b = self.p_bin(p)
+    def accept_given(self, depth: int, b: int, prior: float) -> float:
+        """The chance a draft at ``depth`` whose probability is in bin ``b`` (``p_bin``)
+        is accepted, the drafts before it accepted: the bin's record plus BIN_PRIOR
+        drafts at ``prior``."""
         return (self._bin_acc[depth][b] + self.BIN_PRIOR * prior) / (self._bin_n[depth][b] + self.BIN_PRIOR)
 
 
@@ -206,7 +206,10 @@ class AdaptiveLength:
         self._best: int | None = None
         self._recheck = 0
         self._rate = 0.0  # the best length's expected rate, tokens per second
-        self._chance = 1.0  # that every draft kept so far this round is accepted
+        # this round's: the chance every draft kept so far is accepted, and the acceptance
+        # per depth (taken at the round's first draft, once)
+        self._chance = 1.0
+        self._round_accept: list[float] | None = None
 
     @property
     def t_round(self) -> list[float | None]:
@@ -300,22 +303,25 @@ class AdaptiveLength:
 
     def _pick(self, n: int) -> int:
         self.last_tried[n] = self.round
-        self._chance = 1.0
+        self._chance, self._round_accept = 1.0, None
         return n
 
     def keep(self, depth: int, p: float) -> bool:
         """Whether draft ``depth`` (0-based), drawn with probability ``p``, goes into this
         round's verify (False ends the round's drafting; see the module)."""
-        if not self.costs.cut_by_probability:
+        costs = self.costs
+        if not costs.cut_by_probability:
             return True
+        if self._round_accept is None:
+            self._round_accept = self.accept
         t = self.t_round
         lo, hi = t[depth], t[depth + 1] if depth + 1 < len(t) else None
-        chance = self._chance * self.costs.accept_given(depth, p, self.accept[depth])
+        b = costs.p_bin(p)
+        chance = self._chance * costs.accept_given(depth, b, self._round_accept[depth])
         if lo is None or hi is None or self._rate <= 0 or chance >= (hi - lo) * self._rate:
             self._chance = chance
             return True
-        cuts = self.costs.bin_cuts[depth]
-        b = self.costs.p_bin(p)
+        cuts = costs.bin_cuts[depth]
         cuts[b] += 1
         if cuts[b] >= self.EXPLORE:  # judged again now and then
             cuts[b] = 0

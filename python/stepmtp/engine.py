@@ -112,13 +112,6 @@ class Engine:
         self.n_parallel = n_parallel
         self._lock = threading.Lock()
         self._closed = False
-        self.batch_invariant = bool(batch_invariant)
-        if self.batch_invariant:
-            # CUDA fuses chains of ops into one kernel only where it finds them: a
-            # verify's split products do not make the chains a one-row decode does
-            # (read once per process: a process with a batch-invariant engine keeps
-            # fusion off)
-            os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"
         self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc)
         self.draft_model: Model | None = None
         self.target: Context | None = None
@@ -132,7 +125,7 @@ class Engine:
                 n_threads_batch=n_threads_batch or threads, flash_attn=flash_attn, n_seq_max=n_parallel,
             )
             self.target = Context(self.model, kv_unified=bool(kv_unified), swa_full=swa_full, **ctx_kw)
-            if self.batch_invariant:
+            if batch_invariant:
                 # every verify: each slot's id_last and drafts
                 self.target.batch_invariant = max(2, n_parallel * (self.spec.n_max + 1))
             if self.spec.mode != "none":

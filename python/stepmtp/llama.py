@@ -679,6 +679,13 @@ class Context(_Closing):
         max_rows = int(max_rows)
         if max_rows < 0:
             raise ValueError("batch_invariant: a number of rows >= 0")
+        if max_rows:
+            # CUDA fuses chains of ops into one kernel only where it finds them, and a
+            # verify's split products do not make the chains a one-row decode does. ggml
+            # reads this once per process, at the first graph it computes: the mode must
+            # be set before the process's first decode on CUDA, and fusion then stays off
+            # for every context of the process
+            os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"
         lib.llama_mtp_set_batch_invariant(self.ptr, max_rows)
         self._batch_invariant = max_rows
 

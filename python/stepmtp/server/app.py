@@ -140,7 +140,7 @@ class ServerState:
                          cfg.mtp_mode, cfg.n_max, self.n_draft, cfg.n_min, cfg.p_min)
             else:
                 log.info("speculation: none (--spec-type draft-mtp to draft with the MTP heads)")
-            if cfg.batch_invariant:
+            if engine.target.batch_invariant:
                 log.info("batch-invariant target: decodes of up to %d rows computed a row at a time, attention "
                          "over the whole KV cache", engine.target.batch_invariant)
             log.info("context: n_ctx %d, n_batch %d, n_ubatch %d", engine.n_ctx, engine.target.n_batch,
