@@ -400,7 +400,7 @@ def test_adaptive_length_times_plain_rounds_while_the_heads_fall_behind(tiny, mo
 
     seen = []
     monkeypatch.setattr(AdaptiveLength, "choose", lambda self: 0)
-    monkeypatch.setattr(AdaptiveLength, "observe", lambda self, n, a, steady=True, probs=None: seen.append((n, steady)))
+    monkeypatch.setattr(AdaptiveLength, "observe", lambda self, n, a, steady=True: seen.append((n, steady)))
     with Engine(tiny["embedded"], mode="chain", adaptive=True, n_ctx=512) as eng:
         eng.generate("def g", n_predict=40, temperature=0)
     assert len(seen) > 30 and all(n == 0 and steady for n, steady in seen), seen
@@ -432,36 +432,6 @@ def test_adaptive_policy_picks_the_best_rate():
     rates = [pol.expected_rate(n) for n in range(4)]
     assert rates == pytest.approx([0.5, 0.667, 0.75, 0.6], abs=0.05)
     assert pol.choose() == 2
-
-
-def test_adaptive_policy_keeps_a_draft_by_its_probability():
-    """Within a round a draft goes into the verify only if its chance of adding a token
-    (its own and the earlier drafts' acceptance given their probabilities) pays for its
-    row at the best rate; a probability bin it would cut is tried again every
-    EXPLORE-th time."""
-    from stepmtp.adaptive import AdaptiveLength
-
-    clock = _Clock()
-    pol = AdaptiveLength(3, probe_every=1000, clock=clock)
-    # a round of n drafts costs 2 + n; the heads are sure of their first two drafts
-    # (0.95), always right there, and unsure of the third (0.2), always wrong
-    for _ in range(40):
-        n = pol.choose()
-        pol.observe(n, min(n, 2), probs=[0.95, 0.95, 0.2][:n])
-        clock.t += 2 + n
-    assert pol.choose() == 2 and pol.costs.accept_given(2, pol.costs.p_bin(0.2), pol.accept[2]) < 0.3
-    assert pol.keep(0, 0.95) and pol.keep(1, 0.95)
-    # depth 2 at 0.2: its chance (~0) is below the row's worth, 1 s x 0.75 tokens/s
-    kept = [pol.keep(2, 0.2) for _ in range(2 * pol.EXPLORE)]
-    assert kept.count(True) == 2 and kept[pol.EXPLORE - 1] and kept[-1]
-    # an unsure first draft whose bin has no record yet is trusted at the depth's rate
-    pol.choose()
-    assert pol.keep(0, 0.2)
-    # the chance compounds: a depth-1 draft after a doubtful depth-0 one is cut
-    for _ in range(30):
-        pol.costs.observe_draft(0, 0.6, False)
-    pol.choose()
-    assert pol.keep(0, 0.6) is False or pol.keep(1, 0.95) is False
 
 
 def test_adaptive_policy_backs_off_and_probes():

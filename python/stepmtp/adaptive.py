@@ -35,17 +35,6 @@ A drafting length in use is kept while its expected rate is within 3% of the bes
 one's; plain rounds are left as soon as drafting looks better (they teach nothing
 about the acceptance).
 
-The length chosen is a cap: within the round each draft is kept only if it pays for
-itself (``keep``). A draft at depth d with probability p (the head's, as p-min sees
-it) adds a token when it and the drafts before it are all accepted; the chance of
-that is the product of each one's acceptance *given its probability*, learned per
-depth and probability bin (``RoundCosts.accept_given``). The row costs
-T[d+1] - T[d] seconds, which at the best expected rate r* would have bought
-(T[d+1] - T[d]) r* tokens: the draft is kept when its chance is at least that. A
-confident head is drafted far, an unsure one stops early; a fixed length pays for
-the unsure drafts too. So that a bin judged bad is judged again now and then, every
-``EXPLORE``-th draft it would cut is kept.
-
 Plain floats, not numpy: this runs every round, and with n_max <= 3 numpy's
 per-call overhead would cost more than the arithmetic.
 """
@@ -94,12 +83,6 @@ class RoundCosts:
 
     #: per round since a length was last timed, how much its old estimate still counts
     STALE_DECAY = 0.98
-    #: upper edges of the draft-probability bins of ``accept_given`` (the last bin: to 1)
-    P_BINS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
-    #: drafts at the depth's long-run rate each bin's estimate starts from
-    BIN_PRIOR = 4.0
-    #: False: every draft of the chosen length is kept (``AdaptiveLength.keep``)
-    cut_by_probability = True
 
     def __init__(self, n_max: int, decay: float = 0.9, accept_decay: float = 0.99, prior_accept: float = 0.75,
                  prior_weight: float = 2.0, round_decay: float = 0.995) -> None:
@@ -114,12 +97,6 @@ class RoundCosts:
         self._record = _Record(n_max, round_decay)
         self._warm = [False] * (n_max + 1)
         self.gap: list[int] | None = None  # AdaptiveLength's probe gaps, shared
-        nb = len(self.P_BINS) + 1
-        # accepted and judged drafts per depth and probability bin (fading per draft
-        # judged in the bin), and the drafts each bin had cut since one was kept
-        self._bin_acc = [[0.0] * nb for _ in range(n_max)]
-        self._bin_n = [[0.0] * nb for _ in range(n_max)]
-        self.bin_cuts = [[0] * nb for _ in range(n_max)]
 
     def observe(self, n: int, seconds: float) -> None:
         if not self._warm[n]:
@@ -147,23 +124,6 @@ class RoundCosts:
         self._record.fade_to(self.rounds)
         return self._record.estimate(self._prior, self.prior_weight)
 
-    def p_bin(self, p: float) -> int:
-        for b, edge in enumerate(self.P_BINS):
-            if p < edge:
-                return b
-        return len(self.P_BINS)
-
-    def observe_draft(self, depth: int, p: float, accepted: bool) -> None:
-        b = self.p_bin(p)
-        self._bin_acc[depth][b] = self.accept_decay * self._bin_acc[depth][b] + accepted
-        self._bin_n[depth][b] = self.accept_decay * self._bin_n[depth][b] + 1.0
-
-    def accept_given(self, depth: int, b: int, prior: float) -> float:
-        """The chance a draft at ``depth`` whose probability is in bin ``b`` (``p_bin``)
-        is accepted, the drafts before it accepted: the bin's record plus BIN_PRIOR
-        drafts at ``prior``."""
-        return (self._bin_acc[depth][b] + self.BIN_PRIOR * prior) / (self._bin_n[depth][b] + self.BIN_PRIOR)
-
 
 class AdaptiveLength:
     """Per-sequence draft-length policy (acceptance depends on the text; the costs
@@ -175,8 +135,6 @@ class AdaptiveLength:
     #: says little about the acceptance (a sequence that stopped drafting learns only
     #: from its probes)
     PROBE_ROUNDS = 4
-    #: of the drafts a probability bin would cut, every this many is kept (see the module)
-    EXPLORE = 16
 
     def __init__(self, n_max: int, *, decay: float = 0.9, accept_decay: float = 0.97, prior_weight: float = 4.0,
                  probe_every: int = 32, max_probe_every: int = 1024,
@@ -205,11 +163,6 @@ class AdaptiveLength:
         self._steady = True
         self._best: int | None = None
         self._recheck = 0
-        self._rate = 0.0  # the best length's expected rate, tokens per second
-        # this round's: the chance every draft kept so far is accepted, and the acceptance
-        # per depth (taken at the round's first draft, once)
-        self._chance = 1.0
-        self._round_accept: list[float] | None = None
 
     @property
     def t_round(self) -> list[float | None]:
@@ -287,7 +240,6 @@ class AdaptiveLength:
         accept = self.accept
         rates = [self.expected_rate(n, accept) for n in lengths]
         best = max(lengths, key=lambda n: rates[n])
-        self._rate = rates[best] or 0.0
         cur = self._best
         if cur and rates[cur] >= self.HYSTERESIS * rates[best]:
             # within the estimates' noise a drafting length stays: switching has a
@@ -303,47 +255,19 @@ class AdaptiveLength:
 
     def _pick(self, n: int) -> int:
         self.last_tried[n] = self.round
-        self._chance, self._round_accept = 1.0, None
         return n
 
-    def keep(self, depth: int, p: float) -> bool:
-        """Whether draft ``depth`` (0-based), drawn with probability ``p``, goes into this
-        round's verify (False ends the round's drafting; see the module)."""
-        costs = self.costs
-        if not costs.cut_by_probability:
-            return True
-        if self._round_accept is None:
-            self._round_accept = self.accept
-        t = self.t_round
-        lo, hi = t[depth], t[depth + 1] if depth + 1 < len(t) else None
-        b = costs.p_bin(p)
-        chance = self._chance * costs.accept_given(depth, b, self._round_accept[depth])
-        if lo is None or hi is None or self._rate <= 0 or chance >= (hi - lo) * self._rate:
-            self._chance = chance
-            return True
-        cuts = costs.bin_cuts[depth]
-        cuts[b] += 1
-        if cuts[b] >= self.EXPLORE:  # judged again now and then
-            cuts[b] = 0
-            self._chance = chance
-            return True
-        return False
-
-    def observe(self, n_drafted: int, n_accepted: int, steady: bool = True,
-                probs: list[float] | None = None) -> None:
+    def observe(self, n_drafted: int, n_accepted: int, steady: bool = True) -> None:
         """What the round did: drafts, accepted drafts (fewer drafts than chosen when
         p-min stopped early; the round is timed as the length it really had).
         ``steady``: the heads were up to date before it; a round that first caught
         them up on many skipped rows is not timed (that is the price of switching
-        drafting back on, paid once, not the cost of a round of that length).
-        ``probs``: the drafts' probabilities, for the acceptance given them."""
+        drafting back on, paid once, not the cost of a round of that length)."""
         self._record.fade_to(self.round)
         for d in range(min(n_drafted, self.n_max)):
             ok = d < n_accepted
             self._record.add(d, ok)
             self.costs.observe_accept(d, ok)
-            if probs is not None:
-                self.costs.observe_draft(d, probs[d], ok)
             if not ok:
                 break  # later drafts were never judged
         self._steady = steady

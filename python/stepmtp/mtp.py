@@ -387,8 +387,7 @@ class MTPDriver:
         for d in live:
             d.set_nextn(True, masked=True)
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
-        # the adaptive length keeps a draft by its probability
-        self._need_p = spec.p_min > 0 or debug or spec.adaptive
+        self._need_p = spec.p_min > 0 or debug
         # adaptive length: the cost of a round of each length, shared by the sequences
         self._costs = RoundCosts(self.n_draft)
         #: per slot: what its KV holds since its last sequence ended (prompt caching)
@@ -878,7 +877,7 @@ class MTPDriver:
             self.target.seq_rm(s.seq_id, s.pos)  # the rejected drafts' KV
         s.stats.count_round(n, a)
         if s.policy is not None:
-            s.policy.observe(n, a, s.steady, s.probs)
+            s.policy.observe(n, a, s.steady)
         if s.trace is not None:
             cells = [(d.seq_pos_min(s.seq_id), d.seq_pos_max(s.seq_id)) if d is not None else (-1, -1)
                      for d in self.drafts]
@@ -1075,8 +1074,6 @@ class MTPDriver:
         decode, unless it is below p_min (which ends the sequence's drafting)."""
         tok, p, h = self._pick(d, s, i)
         if p < self.spec.p_min:
-            return
-        if s.policy is not None and not s.policy.keep(i, p):
             return
         c = s.constraint
         if c is not None and s.mask_drafts:
