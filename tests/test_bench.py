@@ -421,13 +421,14 @@ def flash_small(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def flash_wide(tmp_path_factory: pytest.TempPathFactory):
-    """As ``flash_small``, with the bench's own hidden width (4x the trained one) and F16."""
+    """As ``flash_small``, with the bench's own hidden width (4x the trained one), head
+    width (Step-3.5-Flash's 128, 4x the trained 32) and F16."""
     from stepmtp.bench.flash import shape_like_flash
     from stepmtp.bench.model import resolve_model
 
     src = resolve_model("bundled")
     res = shape_like_flash(src, tmp_path_factory.mktemp("flash") / "wide.gguf", 0.03, n_layer=12, hidden=512,
-                           f16=True)
+                           head_dim_new=128, f16=True)
     return src, res
 
 
@@ -464,6 +465,46 @@ def test_flash_wide_shape(flash_wide):
     assert not new[:128, 128:512].any() and not new[:128, 640:].any() and not new[128:].any()
 
 
+def test_flash_wide_heads(flash_wide):
+    """Heads 128 wide: each trained 32-wide head (query, key, value, output columns) at
+    the start of its own, zeros after; the query norm halved and the key norm kept (the
+    scores stay what they were under 1/sqrt(128)); the trained rotary width, 32, set."""
+    import gguf
+    import numpy as np
+
+    src, res = flash_wide
+    r = gguf.GGUFReader(str(res.path))
+    f = {k: v.contents() for k, v in r.fields.items()}
+    assert f["step35.attention.key_length"] == f["step35.attention.value_length"] == 128
+    assert f["step35.rope.dimension_count"] == 32
+    t = {x.name: x for x in r.tensors}
+    s = {x.name: x for x in gguf.GGUFReader(str(src)).tensors}
+    q_old, k_old = np.asarray(s["blk.1.attn_q_norm.weight"].data), np.asarray(s["blk.1.attn_k_norm.weight"].data)
+    q_new, k_new = np.asarray(t["blk.1.attn_q_norm.weight"].data), np.asarray(t["blk.1.attn_k_norm.weight"].data)
+    assert q_new.shape == k_new.shape == (128,)
+    assert (q_new[:32] == q_old / 2).all() and (k_new[:32] == k_old).all() and not q_new[32:].any()
+    heads = f["step35.attention.head_count"]
+    kv = f["step35.attention.head_count_kv"]
+    assert heads[1] * 128 == [int(n) for n in t["blk.1.attn_q.weight"].shape][1]
+    assert kv[1] == 2 and [int(n) for n in t["blk.1.attn_k.weight"].shape][1] == 2 * 128
+    wk = np.asarray(t["blk.1.attn_k.weight"].data).astype(np.float32)  # [kv heads x 128, 512]
+    assert wk[0:32, :128].any() and wk[128:160, :128].any()
+    assert not wk[32:128].any() and not wk[160:256].any()
+    wo = np.asarray(t["blk.1.attn_output.weight"].data).astype(np.float32)  # [512, heads x 128]
+    per_head = wo[:128].reshape(128, heads[1], 128)
+    assert not per_head[:, :, 32:].any() and per_head[:, :, :32].any()
+    # identity layers: norms of the new width
+    assert [int(n) for n in t["blk.9.attn_q_norm.weight"].shape] == [128]
+
+
+def test_flash_head_width_must_be_a_power_of_4_wider(tmp_path):
+    from stepmtp.bench.flash import shape_like_flash
+    from stepmtp.bench.model import resolve_model
+
+    with pytest.raises(ValueError, match="head width 64 is not 32 times a power of 4"):
+        shape_like_flash(resolve_model("bundled"), tmp_path / "x.gguf", 0.03, n_layer=8, head_dim_new=64)
+
+
 def test_flash_hidden_must_be_a_power_of_4_wider(tmp_path):
     from stepmtp.bench.flash import shape_like_flash
     from stepmtp.bench.model import resolve_model
@@ -498,8 +539,8 @@ def test_flash_shape(flash_small):
 @pytest.mark.parametrize("shaped", ["flash_small", "flash_wide"])
 def test_flash_keeps_predictions(shaped, request):
     """Greedy tokens, drafts and acceptances are the bundled model's, plain and chained,
-    at the trained hidden width and at 4x it in F16 (there up to rounding: these 48
-    tokens are the same); a padded token's logit is the mean real logit: never the
+    at the trained widths and at 4x the hidden and head widths in F16 (there up to
+    rounding: these 48 tokens are the same); a padded token's logit is the mean real logit: never the
     largest."""
     import numpy as np
 
@@ -563,7 +604,7 @@ def test_bench_model_cached(tmp_path, monkeypatch):
     src = tmp_path / "m.gguf"
     src.write_bytes(resolve_model("bundled").read_bytes())
     a = bench_model(src, 180, quiet=True)
-    assert bench_model(src, 180, quiet=True) == a and made == [(1 / 16, {"hidden": 512, "f16": True})]
+    assert bench_model(src, 180, quiet=True) == a and made == [(1 / 16, {"hidden": 512, "head_dim_new": 128, "f16": True})]
     assert a.parent == tmp_path / "bench" and "flash" in a.name
 
 # -- servers ----------------------------------------------------------------------------

@@ -21,6 +21,14 @@ writes a variant of a trained model (the bundled one) with those proportions:
   products are 128 long and their fixed cost, paid again for each verified row, and
   attention (as many query heads as Step-3.5-Flash's over a state 32x narrower) weigh
   as much as reading the weights;
+* **head width** (``head_dim_new``): the trained 32-wide heads padded with zero
+  channels to Step-3.5-Flash's 128 (fewer heads, as many query bytes), the query norm
+  scaled so that every score stays what it was (:func:`_head_factor`), the trained
+  rotary width kept. A CPU's attention costs per head and cached cell; at 32 wide those
+  fixed costs, not the arithmetic, made attention a third of a decode, paid again for
+  every verified row. What does not follow: the key/value heads stay the trained two
+  (Step-3.5-Flash's eight, scaled, would be half of one), so their weights and cache are
+  4x Step-3.5-Flash's share;
 * **type** (``f16``): Q8_0 matrices written as F16, which a CPU core multiplies at
   nearly the speed it reads them (Q8_0 at about a quarter of that);
 * **heads**: each MTP block is a decoder layer with Step-3.5-Flash's scaled widths,
@@ -44,7 +52,7 @@ model's (tested; with ``hidden`` and ``f16`` up to rounding and a norm epsilon, 
 ``eh_proj``, 2 hidden x hidden in Step-3.5-Flash, stays small), the trained layers'
 attention kinds and dense layer count (1 here, 3 there).
 
-    python -m stepmtp.bench.flash SRC.gguf DST.gguf --scale 0.0625 --hidden 512 --f16
+    python -m stepmtp.bench.flash SRC.gguf DST.gguf --scale 0.0625 --hidden 512 --head-dim 128 --f16
     python -m stepmtp.bench.flash --estimate      # the cost ratios of Step-3.5-Flash
     python -m stepmtp.bench.flash --measure DST.gguf   # the same ratios, timed
 """
@@ -269,13 +277,15 @@ def _layer_heads(cfg: FlashConfig, il: int, scale: float, head_dim: int, n_head:
 
 
 def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], scale: float = 0.25, *,
-                     n_layer: int | None = None, hidden: int | None = None, f16: bool = False,
-                     cfg: FlashConfig = FLASH, seed: int = 0) -> ShapeResult:
+                     n_layer: int | None = None, hidden: int | None = None, head_dim_new: int | None = None,
+                     f16: bool = False, cfg: FlashConfig = FLASH, seed: int = 0) -> ShapeResult:
     """Write ``dst``: ``src`` (a ``step35`` GGUF with MTP blocks) shaped like ``cfg``
     (Step-3.5-Flash) at ``scale``; ``n_layer`` trunk layers (default: cfg's); ``hidden``:
     the hidden width (default: the trained one; else the trained one times a power of 4,
-    see :func:`_widen_hidden`); ``f16``: quantized matrices written as F16 (their values
-    rounded to 11 bits), for a backend that reads F16 faster than it computes on Q8_0."""
+    see :func:`_widen_hidden`); ``head_dim_new``: the attention heads' width (default: the
+    trained one; else the trained one times a power of 4, see :func:`_head_norm`);
+    ``f16``: quantized matrices written as F16 (their values rounded to 11 bits), for a
+    backend that reads F16 faster than it computes on Q8_0."""
     import gguf
 
     from .widen import copy_metadata
@@ -297,6 +307,9 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
     n_embd_new = n_embd if hidden is None else int(hidden)
     _hidden_factor(n_embd, n_embd_new)
     head_dim = int(f[a("attention.key_length")])
+    hd_new = head_dim if head_dim_new is None else int(head_dim_new)
+    q_norm_factor = _head_factor(head_dim, hd_new)
+    n_rot = int(f.get(a("rope.dimension_count"), head_dim))
     n_dense_src = int(f.get(a("leading_dense_block_count"), 0))
     top_k = int(f[a("expert_used_count")])
     n_expert_src = int(f[a("expert_count")])
@@ -326,7 +339,7 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
     for il, io in enumerate(old_of):
         swa = bool(swa_src[io]) if io is not None else not cfg.is_full(il)
         h, kv = (heads_src[io], kv_src[io]) if io is not None else (heads_src[n_trunk - 1], kv_src[n_trunk - 1])
-        nh, nkv = _layer_heads(cfg, il, scale, head_dim, h, kv, not swa)
+        nh, nkv = _layer_heads(cfg, il, scale, hd_new, h, kv, not swa)
         swa_new.append(swa)
         heads_new.append(nh)
         kv_new.append(nkv)
@@ -347,6 +360,8 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
             return n_embd_new
         if name == a("expert_count"):
             return n_expert
+        if name in (a("attention.key_length"), a("attention.value_length")):
+            return hd_new
         if name.startswith(arch + ".") and name[len(arch) + 1:] in widths:
             return widths[name[len(arch) + 1:]][1]
         if name == "tokenizer.ggml.tokens":
@@ -358,7 +373,11 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
         return value
 
     w = copy_metadata(r, dst, edit)
-    shape_doc = {"scale": scale, "n_layer": n_layer, "n_embd": [n_embd, n_embd_new], "n_expert": n_expert, "top_k": top_k,
+    if hd_new != head_dim and a("rope.dimension_count") not in f:
+        # rotated dimensions default to the head's width: the trained ones rotate, the
+        # added ones stay zero
+        w.add_uint32(a("rope.dimension_count"), n_rot)
+    shape_doc = {"scale": scale, "n_layer": n_layer, "n_embd": [n_embd, n_embd_new], "head_dim": [head_dim, hd_new], "n_expert": n_expert, "top_k": top_k,
                  "n_vocab": [n_vocab, n_vocab_new], "widths": widths, "flash": asdict(cfg)}
     w.add_string("stepmtp.bench_shape", json.dumps(shape_doc, sort_keys=True))
 
@@ -403,25 +422,29 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
 
     for il, io in enumerate(old_of):
         if io is None:
-            plan.extend(_identity_layer(il, tensors, n_trunk - 1, heads_new[il], kv_new[il], head_dim, n_embd,
+            plan.extend(_identity_layer(il, tensors, n_trunk - 1, heads_new[il], kv_new[il], hd_new, n_embd,
                                         n_expert, eff, sff, rng, n_embd_new))
             continue
         nh, nkv = heads_src[io], kv_src[io]
         where = _head_plan(nh, nkv, heads_new[il], kv_new[il])
-        q_rows = [(h * head_dim, p * head_dim, head_dim) for h, p in enumerate(where)]
+        q_rows = [(h * head_dim, p * hd_new, head_dim) for h, p in enumerate(where)]
+        kv_rows = [(j * head_dim, j * hd_new, head_dim) for j in range(nkv)]
         gate_rows = [(h, p, 1) for h, p in enumerate(where)]
         for suffix, t in layer_tensors(il, io):
             name = f"blk.{il}.{suffix}"
             qt = t.tensor_type
             if suffix == "attn_q.weight":
-                grown(name, t, lambda t: _place(t.data, -2, heads_new[il] * head_dim, q_rows))
+                grown(name, t, lambda t: _place(t.data, -2, heads_new[il] * hd_new, q_rows))
             elif suffix in ("attn_k.weight", "attn_v.weight"):
-                grown(name, t, lambda t: _place(t.data, -2, kv_new[il] * head_dim))
+                grown(name, t, lambda t: _place(t.data, -2, kv_new[il] * hd_new, kv_rows))
+            elif suffix in ("attn_q_norm.weight", "attn_k_norm.weight") and hd_new != head_dim:
+                factor = q_norm_factor if suffix == "attn_q_norm.weight" else 1.0
+                grown(name, t, lambda t, c=factor: _place(np.asarray(t.data) * np.asarray(c, t.data.dtype), -1, hd_new))
             elif suffix == "attn_gate.weight":
                 grown(name, t, lambda t: _place(t.data, -2, heads_new[il], gate_rows))
             elif suffix == "attn_output.weight":
                 seg = [(_inner(qt, s), _inner(qt, d), _inner(qt, n)) for s, d, n in q_rows]
-                grown(name, t, lambda t, seg=seg, qt=qt: _place(t.data, -1, _inner(qt, heads_new[il] * head_dim), seg))
+                grown(name, t, lambda t, seg=seg, qt=qt: _place(t.data, -1, _inner(qt, heads_new[il] * hd_new), seg))
             elif suffix in ("ffn_gate.weight", "ffn_up.weight"):
                 grown(name, t, lambda t: _place(t.data, -2, ff))
             elif suffix == "ffn_down.weight":
@@ -541,6 +564,21 @@ def _as_f16(t: _Tensor) -> _Tensor:
                    lambda t=t: dequantize(np.asarray(t.make()), t.qtype).astype(np.float16))
 
 
+def _head_factor(head_dim: int, head_dim_new: int) -> float:
+    """What the query norm's weights are multiplied by when heads grow from ``head_dim``
+    to ``head_dim_new`` (r times as wide, r a power of 4) with zero channels, so that
+    every attention score stays what it was: the per-head RMS norms then divide by a
+    mean square r times smaller (their outputs sqrt(r) times larger, the epsilon r
+    times larger in effect), and the scores are scaled by 1/sqrt(head_dim_new), sqrt(r)
+    times less: q and k each sqrt(r) times larger make the product r times larger, and
+    1/sqrt(r) on q alone brings it back to sqrt(r), which the scale takes away. A power
+    of 2, so the weights keep their bits' precision."""
+    r = head_dim_new / head_dim
+    if r < 1 or r != int(r) or 4 ** round(math.log(r, 4)) != r:
+        raise ValueError(f"the head width {head_dim_new} is not {head_dim} times a power of 4")
+    return 1.0 / math.sqrt(r)
+
+
 def _identity_layer(il: int, tensors: dict[str, Any], template: int, n_head: int, n_kv: int, head_dim: int,
                     n_embd: int, n_expert: int, eff: int, sff: int, rng: np.random.Generator,
                     n_embd_new: int | None = None) -> list[_Tensor]:
@@ -563,6 +601,8 @@ def _identity_layer(il: int, tensors: dict[str, Any], template: int, n_head: int
             shape[-1] = _inner(qt, n_head * head_dim)
         elif suffix == "ffn_down_shexp.weight":
             shape[-1] = _inner(qt, sff)
+        elif suffix in ("attn_q_norm.weight", "attn_k_norm.weight"):
+            shape[-1] = head_dim
         elif suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
             shape[0], shape[-2] = n_expert, eff
         elif suffix == "ffn_down_exps.weight":
@@ -650,6 +690,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help=f"trunk layers (default {FLASH.n_layer})")
     ap.add_argument("--hidden", type=int, default=None,
                     help="hidden width: the trained one times a power of 4 (default: the trained one)")
+    ap.add_argument("--head-dim", type=int, default=None,
+                    help="attention head width: the trained one times a power of 4 (default: the trained one)")
     ap.add_argument("--f16", action="store_true", help="write the quantized matrices as F16")
     ap.add_argument("--estimate", action="store_true", help="print Step-3.5-Flash's cost ratios and exit")
     ap.add_argument("--measure", type=Path, metavar="GGUF", help="time the decodes of a round on a model and exit")
@@ -665,7 +707,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.src is None or args.dst is None:
         ap.error("give SRC and DST (or --estimate)")
     scale = args.scale if args.scale is not None else scale_for_mb(args.mb) if args.mb else 0.25
-    res = shape_like_flash(args.src, args.dst, scale, n_layer=args.layers, hidden=args.hidden, f16=args.f16)
+    res = shape_like_flash(args.src, args.dst, scale, n_layer=args.layers, hidden=args.hidden, head_dim_new=args.head_dim,
+                           f16=args.f16)
     for k, (o, n) in res.widths.items():
         print(f"{k:36s} {o} -> {n}")
     print(f"layers {res.n_layer} + MTP, heads (q/kv) of added layers {res.heads}, top-{res.top_k} of {res.n_expert} "

@@ -40,8 +40,19 @@ BENCH_MODEL_MB = 180
 BENCH_HIDDEN_FACTOR = 4
 BENCH_F16 = True
 
+#: The bench-size model's attention head width: Step-3.5-Flash's 128, the trained 32
+#: with zero channels (fewer heads, as many bytes). At 32 wide a CPU's attention cost
+#: what a decode's weights do per row: per head and cell a 32-long dot product and a
+#: 32-long multiply-add, whose fixed costs (and, on AVX-512, whose whole length before
+#: patch 0013) dwarfed the arithmetic, paid again for each verified row. Measured on a
+#: Zen 4 core (one thread, ms of a 1-row decode; 2/3/4-row verify relative to it, the
+#: spread of 2-3 runs): 32 wide, before patch 0013: 23.8; 1.86 / 2.82 / 3.72; after it:
+#: 17.3-18.6; 1.83-1.93 / 2.53-2.65 / 2.99-3.42; 128 wide: 16.6-17.0; 1.68-1.97 /
+#: 2.41-2.57 / 2.81-3.10 (both cores: 15.6; 1.61 / 2.06 / 2.52).
+BENCH_HEAD_DIM = 128
+
 #: Bumped when the bench-size model's recipe changes (a new cache file).
-BENCH_MODEL_RECIPE = "flash2"
+BENCH_MODEL_RECIPE = "flash3"
 
 
 def cache_dir() -> Path:
@@ -135,7 +146,7 @@ def file_sha256(path: str | os.PathLike[str], *, _cache: dict[tuple[str, int, in
 def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *, quiet: bool = False) -> Path:
     """The bench-size variant of ``src``: its predictions, Step-3.5-Flash's cost shape
     (45 trunk layers, heads and output head in proportion, 36 experts per used one, the
-    hidden width ``BENCH_HIDDEN_FACTOR`` x the trained one, F16), at the scale where a
+    hidden width ``BENCH_HIDDEN_FACTOR`` x the trained one, heads ``BENCH_HEAD_DIM`` wide, F16), at the scale where a
     1-row target decode reads about ``size_mb`` MB (rounded to a multiple of 1/64); made
     on first use and cached in ``~/.cache/stepmtp/bench`` (``STEPMTP_CACHE_DIR``)."""
     from . import flash
@@ -154,7 +165,7 @@ def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *,
               file=sys.stderr)
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     try:
-        flash.shape_like_flash(src, tmp, scale, hidden=hidden, f16=BENCH_F16)
+        flash.shape_like_flash(src, tmp, scale, hidden=hidden, head_dim_new=BENCH_HEAD_DIM, f16=BENCH_F16)
         os.replace(tmp, dst)
     finally:
         if tmp.exists():
