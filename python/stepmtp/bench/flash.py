@@ -23,7 +23,7 @@ writes a variant of a trained model (the bundled one) with those proportions:
   as much as reading the weights;
 * **head width** (``head_dim_new``): the trained 32-wide heads padded with zero
   channels to Step-3.5-Flash's 128 (fewer heads, as many query bytes), the query norm
-  scaled so that every score stays what it was (:func:`_head_factor`), the trained
+  scaled so that every score stays what it was, the trained
   rotary width kept. A CPU's attention costs per head and cached cell; at 32 wide those
   fixed costs, not the arithmetic, made attention a third of a decode, paid again for
   every verified row. What does not follow: the key/value heads stay the trained two
@@ -283,7 +283,7 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
     (Step-3.5-Flash) at ``scale``; ``n_layer`` trunk layers (default: cfg's); ``hidden``:
     the hidden width (default: the trained one; else the trained one times a power of 4,
     see :func:`_widen_hidden`); ``head_dim_new``: the attention heads' width (default: the
-    trained one; else the trained one times a power of 4, see :func:`_head_norm`);
+    trained one; else the trained one times a power of 4, the query norm scaled to keep the scores);
     ``f16``: quantized matrices written as F16 (their values rounded to 11 bits), for a
     backend that reads F16 faster than it computes on Q8_0."""
     import gguf
@@ -305,10 +305,15 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
         raise ValueError(f"{src} has {n_trunk} trunk layers, more than {n_layer}")
     n_embd = int(f[a("embedding_length")])
     n_embd_new = n_embd if hidden is None else int(hidden)
-    _hidden_factor(n_embd, n_embd_new)
+    _width_factor(n_embd, n_embd_new)
     head_dim = int(f[a("attention.key_length")])
     hd_new = head_dim if head_dim_new is None else int(head_dim_new)
-    q_norm_factor = _head_factor(head_dim, hd_new)
+    # heads r times wider with zero channels: the per-head RMS norms divide by a mean
+    # square r times smaller (outputs sqrt(r) times larger, the epsilon r times larger
+    # in effect) and the scores are scaled by 1/sqrt(hd_new), sqrt(r) times less; q and
+    # k each sqrt(r) times larger make the product r times larger, so the query norm's
+    # weights times 1/sqrt(r) (a power of 2: exact) leave every score what it was
+    q_norm_factor = _width_factor(head_dim, hd_new, "head")
     n_rot = int(f.get(a("rope.dimension_count"), head_dim))
     n_dense_src = int(f.get(a("leading_dense_block_count"), 0))
     top_k = int(f[a("expert_used_count")])
@@ -437,7 +442,7 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
                 grown(name, t, lambda t: _place(t.data, -2, heads_new[il] * hd_new, q_rows))
             elif suffix in ("attn_k.weight", "attn_v.weight"):
                 grown(name, t, lambda t: _place(t.data, -2, kv_new[il] * hd_new, kv_rows))
-            elif suffix in ("attn_q_norm.weight", "attn_k_norm.weight") and hd_new != head_dim:
+            elif suffix in ("attn_q_norm.weight", "attn_k_norm.weight"):
                 factor = q_norm_factor if suffix == "attn_q_norm.weight" else 1.0
                 grown(name, t, lambda t, c=factor: _place(np.asarray(t.data) * np.asarray(c, t.data.dtype), -1, hd_new))
             elif suffix == "attn_gate.weight":
@@ -515,12 +520,12 @@ def _hidden_axes(name: str) -> tuple[str | None, Any]:
     return None, None
 
 
-def _hidden_factor(n_embd: int, n_embd_new: int) -> float:
-    """sqrt(n_embd / n_embd_new), which must be exact: the new width is the old one times
-    a power of 4."""
-    r = n_embd_new // n_embd
-    if n_embd_new % n_embd or r < 1 or r & (r - 1) or (r.bit_length() - 1) % 2:
-        raise ValueError(f"the hidden width {n_embd_new} is not {n_embd} times a power of 4")
+def _width_factor(old: int, new: int, what: str = "hidden") -> float:
+    """sqrt(old / new), which must be exact: the new width is the old one times a power
+    of 4 (``what``: the width's name, for the error)."""
+    r = new // old
+    if new % old or r < 1 or r & (r - 1) or (r.bit_length() - 1) % 2:
+        raise ValueError(f"the {what} width {new} is not {old} times a power of 4")
     return 1.0 / math.isqrt(r)
 
 
@@ -536,7 +541,7 @@ def _widen_hidden(name: str, data: np.ndarray, qtype: Any, n_embd: int, n_embd_n
     if kind is None or n_embd_new == n_embd:
         return data
     if kind == "norm":
-        return _place(data * np.asarray(_hidden_factor(n_embd, n_embd_new), data.dtype), -1, n_embd_new)
+        return _place(data * np.asarray(_width_factor(n_embd, n_embd_new), data.dtype), -1, n_embd_new)
     if kind in ("in", "both"):
         n_old = _inner(qtype, inner_n(n_embd))
         if data.shape[-1] != n_old:
@@ -562,21 +567,6 @@ def _as_f16(t: _Tensor) -> _Tensor:
     shape = t.np_shape[:-1] + (t.np_shape[-1] // ts * bs,)
     return _Tensor(t.name, gguf.GGMLQuantizationType.F16, shape, np.dtype(np.float16),
                    lambda t=t: dequantize(np.asarray(t.make()), t.qtype).astype(np.float16))
-
-
-def _head_factor(head_dim: int, head_dim_new: int) -> float:
-    """What the query norm's weights are multiplied by when heads grow from ``head_dim``
-    to ``head_dim_new`` (r times as wide, r a power of 4) with zero channels, so that
-    every attention score stays what it was: the per-head RMS norms then divide by a
-    mean square r times smaller (their outputs sqrt(r) times larger, the epsilon r
-    times larger in effect), and the scores are scaled by 1/sqrt(head_dim_new), sqrt(r)
-    times less: q and k each sqrt(r) times larger make the product r times larger, and
-    1/sqrt(r) on q alone brings it back to sqrt(r), which the scale takes away. A power
-    of 2, so the weights keep their bits' precision."""
-    r = head_dim_new / head_dim
-    if r < 1 or r != int(r) or 4 ** round(math.log(r, 4)) != r:
-        raise ValueError(f"the head width {head_dim_new} is not {head_dim} times a power of 4")
-    return 1.0 / math.sqrt(r)
 
 
 def _identity_layer(il: int, tensors: dict[str, Any], template: int, n_head: int, n_kv: int, head_dim: int,
