@@ -99,6 +99,29 @@ def test_two_turn_tool_loop(servers):
     assert "<parameter=days>" in text  # arguments iterated as an object, not a string
 
 
+def test_template_sees_tools_as_llama_server_passes_them(servers):
+    """/apply-template renders what a chat completion runs on, tools included, each
+    tool as llama-server hands it to the template (name, description, parameters):
+    a client's "strict" or key order does not change the prompt."""
+    import httpx
+
+    url = servers["mtp"].url
+    fn = TOOLS[0]["function"]
+    shuffled = [{"function": {"strict": True, "parameters": fn["parameters"], "name": fn["name"],
+                              "description": fn["description"]}, "type": "function"}]
+    prompts = [httpx.post(url + "/apply-template", json={"messages": ASK, "tools": t}, timeout=30).json()["prompt"]
+               for t in (TOOLS, shuffled)]
+    assert prompts[0] == prompts[1]
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", ' \
+        '"parameters": ' in prompts[0]
+    assert '"strict"' not in prompts[0]
+    # and the same prompt a chat completion runs on: its token count
+    n = httpx.post(url + "/tokenize", json={"content": prompts[1], "parse_special": True, "add_special": True}, timeout=30).json()
+    m = httpx.post(url + "/v1/chat/completions/input_tokens", json={"messages": ASK, "tools": shuffled},
+                   timeout=30).json()
+    assert m == {"input_tokens": len(n["tokens"]), "object": "response.input_tokens"}
+
+
 def test_reasoning_goes_to_reasoning_content(servers):
     """The generation prompt opens <think>: what the model writes until </think> is
     reasoning (the bundled model never closes it); --reasoning-format none would
@@ -190,3 +213,4 @@ def test_thinking_budget_ends_the_reasoning(servers):
     a = anthropic_client(servers["mtp"]).messages.create(
         model="m", max_tokens=40, messages=ASK, extra_body=GREEDY, thinking={"type": "enabled", "budget_tokens": 6})
     assert [b.type for b in a.content] == ["thinking", "text"] and a.content[1].text == m.content
+

@@ -41,7 +41,7 @@ from .errors import APIError, bad_request, error_body
 from .chat import (REASONING_FORMATS, ChatFormat, delta_json, is_step_template, message_json as chat_message,
                    normalize_messages, preserved_tokens, tool_call_grammar)
 from .metrics import Metrics
-from .schemas import (ApplyTemplateRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                       DetokenizeRequest, GenerationFields, OAICompletionRequest, PromptPieces,
                       TokenizeRequest, format_validation_error)
 from .worker import Cancelled, Channel, GenRequest, Job, Worker
@@ -595,12 +595,13 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         text = await off_loop(len(req.tokens), eng.model.detokenize, req.tokens, unparse_special=True)
         return {"content": text}
 
-    @app.post("/apply-template", tags=["tokens"], openapi_extra=json_body(ApplyTemplateRequest),
+    @app.post("/apply-template", tags=["tokens"], openapi_extra=json_body(ChatCompletionRequest),
               summary="Chat messages to the prompt text (the GGUF's chat template)")
     async def apply_template(request: Request) -> dict[str, str]:
+        # llama-server reads the body as a chat request: the prompt its completion would
+        # run on, tools, tool_choice and reasoning settings included
         eng = st.need_engine()
-        req = await body(request, ApplyTemplateRequest)
-        prompt = await render_chat(eng, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        _, prompt = await chat_prompt(eng, await body(request, ChatCompletionRequest))
         return {"prompt": prompt}
 
     # -- generation -------------------------------------------------------------------
@@ -1044,14 +1045,15 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
 
+    # llama-server names the count as the Responses API does, on chat's route too
     @app.post("/chat/completions/input_tokens", tags=["openai"], openapi_extra=json_body(ChatCompletionRequest),
               summary="Tokens a chat request's prompt takes")
     @app.post("/v1/chat/completions/input_tokens", include_in_schema=False,
               openapi_extra=json_body(ChatCompletionRequest))
-    async def chat_input_tokens(request: Request) -> dict[str, int]:
+    async def chat_input_tokens(request: Request) -> dict[str, Any]:
         eng = st.need_engine()
         _, _, toks = await chat_tokens(eng, await body(request, ChatCompletionRequest))
-        return {"input_tokens": len(toks)}
+        return {"input_tokens": len(toks), "object": "response.input_tokens"}
 
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
     async def anthropic_count_tokens(request: Request) -> dict[str, int]:
@@ -1069,7 +1071,13 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         for i, t in enumerate(req.tools or []):
             if not (isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")):
                 raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
-        tools = req.tools if req.tools and choice != "none" else None
+        # the template sees each tool as llama-server passes it: name, description and
+        # parameters alone, in that order (a client's "strict" or key order would
+        # otherwise change the prompt)
+        tools = [{"type": "function", "function": {"name": t["function"]["name"],
+                                                   "description": t["function"].get("description", ""),
+                                                   "parameters": t["function"].get("parameters", {})}}
+                 for t in req.tools] if req.tools and choice != "none" else None
         forced: str | None = None  # the grammar of the call(s) tool_choice demands
         if choice not in ("auto", "none"):
             if not tools:
@@ -1156,7 +1164,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     # -- the OpenAPI spec: the request models the routes parse themselves -------------
 
     request_models = [CompletionRequest, OAICompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                      DetokenizeRequest, ApplyTemplateRequest]
+                      DetokenizeRequest]
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:

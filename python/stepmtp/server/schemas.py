@@ -371,12 +371,6 @@ class DetokenizeRequest(_Request):
     tokens: list[Int] = Field(default_factory=list)
 
 
-class ApplyTemplateRequest(_Request):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    add_generation_prompt: bool = True
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-
-
 # -- errors ---------------------------------------------------------------------
 
 
