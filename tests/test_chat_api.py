@@ -214,3 +214,121 @@ def test_thinking_budget_ends_the_reasoning(servers):
         model="m", max_tokens=40, messages=ASK, extra_body=GREEDY, thinking={"type": "enabled", "budget_tokens": 6})
     assert [b.type for b in a.content] == ["thinking", "text"] and a.content[1].text == m.content
 
+
+# -- OpenAI's Responses API, with the official client ------------------------------------
+
+R_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather forecast",
+            "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+def test_responses_tool_loop(servers):
+    """A forced call as a function_call item, the same as chat's with and without
+    drafting; the call and its output sent back as input items, as Codex does."""
+    args = {}
+    for name, srv in servers.items():
+        first = client(srv).responses.create(model="m", input=ASK, tools=R_TOOLS, tool_choice="required",
+                                             max_output_tokens=200, temperature=0)
+        assert first.id.startswith("resp_") and first.status == "completed"
+        (call,) = [o for o in first.output if o.type == "function_call"]
+        assert call.name == "get_weather" and call.call_id and call.status == "completed"
+        args[name] = json.loads(call.arguments)
+    chat = client(servers["mtp"]).chat.completions.create(model="m", messages=ASK, tools=TOOLS,
+                                                          tool_choice="required", max_tokens=200, temperature=0)
+    assert args["mtp"] == args["plain"] == json.loads(chat.choices[0].message.tool_calls[0].function.arguments)
+    assert isinstance(args["mtp"]["days"], int) and args["mtp"]["units"] in ("c", "f")
+
+    # a function forced by name, Responses' flat form
+    c = client(servers["mtp"])
+    named = c.responses.create(model="m", input=ASK, tools=R_TOOLS, max_output_tokens=200, temperature=0,
+                               tool_choice={"type": "function", "name": "get_weather"})
+    assert [o.type for o in named.output][-1] == "function_call"
+
+    history = ASK + [call.model_dump(exclude_none=True),
+                     {"type": "function_call_output", "call_id": call.call_id, "output": "21 C, clear"}]
+    second = c.responses.create(model="m", input=history, tools=R_TOOLS, max_output_tokens=16, temperature=0)
+    assert second.status == "completed" and second.usage.output_tokens > 0
+    # the second turn starts where the first prompt did: its KV was reused
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    assert second.usage.total_tokens == second.usage.input_tokens + second.usage.output_tokens
+    import httpx
+
+    url = servers["mtp"].url
+    n = httpx.post(url + "/v1/responses/input_tokens", json={"input": history, "tools": R_TOOLS}, timeout=30).json()
+    assert n["object"] == "response.input_tokens"
+    # the items became the chat turns they stand for: the prompt (and its tokens) chat's
+    chat_history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "21 C, clear"}]
+    m = httpx.post(url + "/v1/chat/completions/input_tokens", json={"messages": chat_history, "tools": TOOLS},
+                   timeout=30).json()
+    assert n["input_tokens"] == m["input_tokens"] > 0
+
+
+def test_responses_stream_adds_up_to_the_whole(servers):
+    """The reasoning and the answer (a thinking budget ends the reasoning) streamed as
+    Responses events, in order, adding up to the non-streamed output; a streamed call's
+    arguments too."""
+    c = client(servers["mtp"])
+    kw = dict(model="m", input=ASK, instructions="Answer briefly.", max_output_tokens=40, temperature=0,
+              extra_body={"thinking_budget_tokens": 6})
+    whole = c.responses.create(**kw)
+    assert [o.type for o in whole.output] == ["reasoning", "message"]
+    chat = c.chat.completions.create(model="m", messages=[{"role": "system", "content": "Answer briefly."}] + ASK,
+                                     max_tokens=40, temperature=0, extra_body={"thinking_budget_tokens": 6})
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.output[0].content[0].text == chat.choices[0].message.model_extra["reasoning_content"]
+
+    events = list(c.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    ids = {e.item.id for e in events if e.type == "response.output_item.added"}
+    assert len(ids) == 2 and all(e.item_id in ids for e in events if hasattr(e, "item_id"))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = events[-1].response
+    assert reasoning == whole.output[0].content[0].text and text == whole.output_text == done.output_text
+    assert [o.type for o in done.output] == ["reasoning", "message"] and done.usage.output_tokens == 40
+    # each item is done before the next begins
+    assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")
+
+    calls = list(c.responses.create(model="m", input=ASK, tools=R_TOOLS, tool_choice="required", stream=True,
+                                    max_output_tokens=200, temperature=0))
+    added = [e.item for e in calls if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    (item,) = [e.item for e in calls if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    deltas = "".join(e.delta for e in calls if e.type == "response.function_call_arguments.delta")
+    assert len(added) == 1 and added[0].call_id == item.call_id and item.name == "get_weather"
+    assert json.loads(deltas) == json.loads(item.arguments) and json.loads(item.arguments)["units"] in ("c", "f")
+
+
+def test_responses_json_schema(servers):
+    """text.format as a JSON schema: the answer is that JSON, drafts masked too."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    out = client(servers["mtp"]).responses.create(
+        model="m", input=ASK, max_output_tokens=120, temperature=0, extra_body={"thinking_budget_tokens": 4},
+        text={"format": {"type": "json_schema", "name": "ask", "schema": schema, "strict": True}})
+    got = json.loads(out.output_text)
+    assert set(got) == {"city", "days"} and isinstance(got["days"], int)
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"model": "m"}, "'input' is required"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "frobnicate"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input_file"),
+    ({"input": [{"type": "function_call", "call_id": "c"}]}, "'name'"),
+    ({"input": 3}, "'input' must be"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+])
+def test_responses_bad_requests(servers, payload, message):
+    import httpx
+
+    url = servers["mtp"].url
+    r = httpx.post(url + "/v1/responses", json=payload, timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    # and the server goes on
+    ok = httpx.post(url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
+

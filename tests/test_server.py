@@ -689,6 +689,13 @@ COMPLETION_FIELDS = ["prompt", "n_predict", "max_tokens", "max_completion_tokens
                      "json_schema", "response_fields", "unknown_field"]
 CHAT_FIELDS = ["messages", "add_generation_prompt", "chat_template_kwargs", "response_format", "tools", "tool_choice",
                "logprobs", "top_logprobs", "stream", "stream_options", "stop"]
+RESPONSES_ITEMS = [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                   {"type": "function_call_output", "call_id": "c", "output": "x"},
+                   {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},
+                   {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "t"}]},
+                   {"role": "user", "content": [{"type": "input_text", "text": "t"}]}]
+RESPONSES_FIELDS = ["input", "instructions", "tools", "tool_choice", "max_output_tokens", "text", "reasoning",
+                    "previous_response_id", "temperature", "top_p", "stream", "store", "include", "parallel_tool_calls"]
 
 
 def test_odd_values_never_make_a_500(server, client):
@@ -697,7 +704,8 @@ def test_odd_values_never_make_a_500(server, client):
             ("/completion", {"prompt": "hi", "n_predict": 2}, COMPLETION_FIELDS),
             ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, COMPLETION_FIELDS + ["echo", "suffix"]),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-             CHAT_FIELDS)):
+             CHAT_FIELDS),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 2}, RESPONSES_FIELDS)):
         for name in fields:
             for value in ODD_VALUES:
                 if value is None and name in ("n_predict", "max_tokens", "max_completion_tokens"):
@@ -708,6 +716,14 @@ def test_odd_values_never_make_a_500(server, client):
                 assert r.status_code < 500, (route, body, r.text)
                 if r.status_code != 200:
                     assert r.json()["error"]["message"], (route, body)
+    # each field of each kind of Responses input item
+    for item in RESPONSES_ITEMS:
+        for key in item:
+            for value in ODD_VALUES:
+                body = {"input": [{**item, key: value}, {"role": "user", "content": "hi"}], "max_output_tokens": 2}
+                r = client.post("/v1/responses", json=body)
+                n += 1
+                assert r.status_code < 500, (body, r.text)
     for route in ("/tokenize", "/detokenize", "/apply-template"):
         for name in ("content", "tokens", "messages", "add_special", "with_pieces", "add_generation_prompt"):
             for value in ODD_VALUES:

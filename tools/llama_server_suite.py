@@ -43,7 +43,7 @@ Usage::
 
 Default files: test_basic, test_completion, test_chat_completion, test_template,
 test_tokenize, test_tool_call, test_security; ``--extra`` adds test_compat_anthropic,
-test_slot_save, test_speculative.  Exit status: 0 when nothing failed, 1 otherwise.
+test_compat_oai_responses, test_slot_save, test_speculative.  Exit status: 0 when nothing failed, 1 otherwise.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ TESTS = VENDOR / "tools" / "server" / "tests"
 
 DEFAULT_FILES = ["test_basic", "test_completion", "test_chat_completion", "test_template", "test_tokenize",
                  "test_tool_call", "test_security"]
-EXTRA_FILES = ["test_compat_anthropic", "test_slot_save", "test_speculative"]
+EXTRA_FILES = ["test_compat_anthropic", "test_compat_oai_responses", "test_slot_save", "test_speculative"]
 
 #: llama-server flags that take no value (for dropping ones our parser lacks);
 #: any other unknown flag takes the next argument as its value

@@ -35,6 +35,7 @@ from ..engine import Completion, Engine, SlotBusy
 from ..sampling import SamplingParams
 from . import anthropic as A
 from . import formats as F
+from . import responses as R
 from .anthropic import to_openai as to_anthropic_openai
 from .config import DEFAULT_SEED, ServerConfig
 from .errors import APIError, bad_request, error_body
@@ -1045,6 +1046,48 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
 
+    # -- POST /v1/responses: OpenAI's Responses API --------------------------------------
+
+    async def responses_request(request: Request) -> ChatCompletionRequest:
+        raw = await read_body(request)
+        try:
+            payload = json.loads(raw or b"null")
+        except ValueError as e:
+            raise bad_request(f"invalid JSON: {e}") from None
+        try:
+            return ChatCompletionRequest.model_validate(R.to_openai(payload), strict=False)
+        except ValidationError as e:
+            raise bad_request(format_validation_error(e)) from None
+
+    @app.post("/v1/responses", tags=["openai"], summary="OpenAI's Responses API (stream: the Responses events)")
+    @app.post("/responses", include_in_schema=False)
+    async def responses(request: Request) -> Any:
+        eng = st.need_engine()
+        req = await responses_request(request)
+        fmt, gens, info = await chat_jobs(eng, req)
+        resp_id = R.new_id("resp_")
+        if not req.stream:
+            try:
+                (c,) = await run_all([submit(gens[0])], request)
+            except ClientGone:
+                return gone()
+            return JSONResponse(R.response_json(c, chat_message(fmt.parser(), c.text), info.model, resp_id))
+        job = submit(gens[0])
+        try:
+            items = await first_items(job, request)
+        except ClientGone:
+            return gone()
+        parser = fmt.parser()
+        events = R.Events(info.model, resp_id)
+
+        def on_chunk(ch: Any) -> list[str]:
+            return events.feed(parser.feed(ch.text)) if ch.text else events.start()
+
+        def on_done(c: Completion) -> list[str]:
+            return events.feed(parser.finish()) + events.finish(c)
+
+        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
+
     # llama-server names the count as the Responses API does, on chat's route too
     @app.post("/chat/completions/input_tokens", tags=["openai"], openapi_extra=json_body(ChatCompletionRequest),
               summary="Tokens a chat request's prompt takes")
@@ -1053,6 +1096,13 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     async def chat_input_tokens(request: Request) -> dict[str, Any]:
         eng = st.need_engine()
         _, _, toks = await chat_tokens(eng, await body(request, ChatCompletionRequest))
+        return {"input_tokens": len(toks), "object": "response.input_tokens"}
+
+    @app.post("/v1/responses/input_tokens", tags=["openai"], summary="Tokens a Responses request's prompt takes")
+    @app.post("/responses/input_tokens", include_in_schema=False)
+    async def responses_input_tokens(request: Request) -> dict[str, Any]:
+        eng = st.need_engine()
+        _, _, toks = await chat_tokens(eng, await responses_request(request))
         return {"input_tokens": len(toks), "object": "response.input_tokens"}
 
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
