@@ -1005,38 +1005,41 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
         return fmt, gens, result_info(eng, settings)
 
-    # -- POST /v1/messages: Anthropic's Messages API ------------------------------------
+    # -- the chat APIs of other vendors: Anthropic's Messages, OpenAI's Responses ----------
 
-    async def anthropic_request(request: Request) -> ChatCompletionRequest:
+    async def converted_request(request: Request, to_chat: Callable[[Any], dict[str, Any]]) -> ChatCompletionRequest:
+        """Another API's request as the chat request it stands for (``to_chat``)."""
         raw = await read_body(request)
         try:
             payload = json.loads(raw or b"null")
         except ValueError as e:
             raise bad_request(f"invalid JSON: {e}") from None
         try:
-            return ChatCompletionRequest.model_validate(to_anthropic_openai(payload), strict=False)
+            return ChatCompletionRequest.model_validate(to_chat(payload), strict=False)
         except ValidationError as e:
             raise bad_request(format_validation_error(e)) from None
 
-    @app.post("/v1/messages", tags=["anthropic"], summary="Anthropic's Messages API (stream: Anthropic's events)")
-    async def anthropic_messages(request: Request) -> Any:
+    async def answer_converted(request: Request, req: ChatCompletionRequest,
+                               whole: Callable[[Completion, dict[str, Any], F.ResultInfo], dict[str, Any]],
+                               events_for: Callable[[F.ResultInfo, GenRequest], Any]) -> Any:
+        """Run a converted chat request; the answer in that API's shape: ``whole`` (the
+        completion and its parsed message) or, streamed, its events object (``start()``,
+        ``feed(delta)``, ``finish(completion, message)``: lists of SSE text)."""
         eng = st.need_engine()
-        req = await anthropic_request(request)
         fmt, gens, info = await chat_jobs(eng, req)
-        msg_id = "msg_" + F.completion_id().split("-", 1)[-1]
         if not req.stream:
             try:
                 (c,) = await run_all([submit(gens[0])], request)
             except ClientGone:
                 return gone()
-            return JSONResponse(A.message_json(c, chat_message(fmt.parser(), c.text), info.model, msg_id))
+            return JSONResponse(whole(c, chat_message(fmt.parser(), c.text), info))
         job = submit(gens[0])
         try:
             items = await first_items(job, request)
         except ClientGone:
             return gone()
         parser = fmt.parser()
-        events = A.Events(info.model, msg_id, len(gens[0].prompt_tokens))
+        events = events_for(info, gens[0])
 
         def on_chunk(ch: Any) -> list[str]:
             return events.feed(parser.feed(ch.text)) if ch.text else events.start()
@@ -1046,47 +1049,23 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
 
-    # -- POST /v1/responses: OpenAI's Responses API --------------------------------------
-
-    async def responses_request(request: Request) -> ChatCompletionRequest:
-        raw = await read_body(request)
-        try:
-            payload = json.loads(raw or b"null")
-        except ValueError as e:
-            raise bad_request(f"invalid JSON: {e}") from None
-        try:
-            return ChatCompletionRequest.model_validate(R.to_openai(payload), strict=False)
-        except ValidationError as e:
-            raise bad_request(format_validation_error(e)) from None
+    @app.post("/v1/messages", tags=["anthropic"], summary="Anthropic's Messages API (stream: Anthropic's events)")
+    async def anthropic_messages(request: Request) -> Any:
+        st.need_engine()
+        req = await converted_request(request, to_anthropic_openai)
+        msg_id = "msg_" + F.completion_id().split("-", 1)[-1]
+        return await answer_converted(
+            request, req, lambda c, m, info: A.message_json(c, m, info.model, msg_id),
+            lambda info, gen: A.Events(info.model, msg_id, len(gen.prompt_tokens)))
 
     @app.post("/v1/responses", tags=["openai"], summary="OpenAI's Responses API (stream: the Responses events)")
     @app.post("/responses", include_in_schema=False)
     async def responses(request: Request) -> Any:
-        eng = st.need_engine()
-        req = await responses_request(request)
-        fmt, gens, info = await chat_jobs(eng, req)
+        st.need_engine()
+        req = await converted_request(request, R.to_openai)
         resp_id = R.new_id("resp_")
-        if not req.stream:
-            try:
-                (c,) = await run_all([submit(gens[0])], request)
-            except ClientGone:
-                return gone()
-            return JSONResponse(R.response_json(c, chat_message(fmt.parser(), c.text), info.model, resp_id))
-        job = submit(gens[0])
-        try:
-            items = await first_items(job, request)
-        except ClientGone:
-            return gone()
-        parser = fmt.parser()
-        events = R.Events(info.model, resp_id)
-
-        def on_chunk(ch: Any) -> list[str]:
-            return events.feed(parser.feed(ch.text)) if ch.text else events.start()
-
-        def on_done(c: Completion) -> list[str]:
-            return events.feed(parser.finish()) + events.finish(c)
-
-        return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
+        return await answer_converted(request, req, lambda c, m, info: R.response_json(c, m, info.model, resp_id),
+                                      lambda info, gen: R.Events(info.model, resp_id))
 
     # llama-server names the count as the Responses API does, on chat's route too
     @app.post("/chat/completions/input_tokens", tags=["openai"], openapi_extra=json_body(ChatCompletionRequest),
@@ -1102,13 +1081,13 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     @app.post("/responses/input_tokens", include_in_schema=False)
     async def responses_input_tokens(request: Request) -> dict[str, Any]:
         eng = st.need_engine()
-        _, _, toks = await chat_tokens(eng, await responses_request(request))
+        _, _, toks = await chat_tokens(eng, await converted_request(request, R.to_openai))
         return {"input_tokens": len(toks), "object": "response.input_tokens"}
 
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
     async def anthropic_count_tokens(request: Request) -> dict[str, int]:
         eng = st.need_engine()
-        _, _, toks = await chat_tokens(eng, await anthropic_request(request))
+        _, _, toks = await chat_tokens(eng, await converted_request(request, to_anthropic_openai))
         return {"input_tokens": len(toks)}
 
     async def chat_prompt(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str]:

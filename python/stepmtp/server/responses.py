@@ -359,7 +359,8 @@ class Events:
                 out.append(self._sse("response.function_call_arguments.delta", {**self._where(), "delta": c.arguments}))
         return out
 
-    def finish(self, c: Completion) -> list[str]:
+    def finish(self, c: Completion, message: dict[str, Any] | None = None) -> list[str]:
+        # ``message`` (the parsed whole) is not needed: the items were built from the deltas
         out = self.start() + self._close()
         done = _response(self.id, self.model, self.created, "completed", self.items, c)
         out.append(self._sse("response.completed", {"response": done}))
