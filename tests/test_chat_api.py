@@ -332,3 +332,20 @@ def test_responses_bad_requests(servers, payload, message):
     ok = httpx.post(url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
 
+
+def test_no_messages_is_the_generation_prompt_alone(servers):
+    """llama-server takes an empty conversation on every chat route (its template
+    engine reads a member of a missing message as undefined): the prompt is the
+    generation prompt alone."""
+    import httpx
+
+    url = servers["mtp"].url
+    prompt = httpx.post(url + "/apply-template", json={"messages": []}, timeout=30).json()["prompt"]
+    assert prompt == "<|im_start|>assistant\n<think>\n"
+    for route, body in (("/v1/chat/completions", {"messages": [], "max_tokens": 3}),
+                        ("/v1/messages", {"model": "m", "messages": [], "max_tokens": 3}),
+                        ("/v1/responses", {"input": [], "max_output_tokens": 3})):
+        r = httpx.post(url + route, json=body, timeout=60)
+        assert r.status_code == 200, (route, r.text)
+        usage = r.json()["usage"]
+        assert usage.get("completion_tokens", usage.get("output_tokens")) == 3

@@ -120,12 +120,37 @@ def _selectattr_tracking(env):  # noqa: ANN001, ANN202 - jinja2's filter, record
     return selectattr
 
 
+@lru_cache(maxsize=1)
+def _undefined_class():  # noqa: ANN202 - a jinja2 Undefined class
+    from jinja2 import ChainableUndefined
+    from jinja2.exceptions import SecurityError
+
+    class Undefined(ChainableUndefined):
+        """A member of an undefined value is undefined, as in llama.cpp's template engine
+        (``messages[0].role`` of no messages compares unequal instead of failing);
+        what the sandbox refused stays an error."""
+
+        __slots__ = ()
+
+        def __getattr__(self, name: str) -> Any:
+            if self._undefined_exception is SecurityError:
+                self._fail_with_undefined_error()
+            return super().__getattr__(name)
+
+        def __getitem__(self, name: Any) -> Any:
+            if self._undefined_exception is SecurityError:
+                self._fail_with_undefined_error()
+            return self
+
+    return Undefined
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str, track: bool = False):  # noqa: ANN201 - a jinja2 Template
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=_undefined_class(),
                                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

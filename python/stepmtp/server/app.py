@@ -1132,7 +1132,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
         # a last assistant message is a prefill (llama-server): the answer continues it
         try:
-            prefill = msgs[-1].text("\n\n") if msgs[-1].role == "assistant" and not (
+            prefill = msgs[-1].text("\n\n") if msgs and msgs[-1].role == "assistant" and not (
                 msgs[-1].model_extra or {}).get("tool_calls") else None
         except ValueError as e:
             raise bad_request(str(e)) from None

@@ -302,7 +302,8 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(GenerationFields):
     """``POST /v1/chat/completions``: OpenAI's chat completions, rendered with the GGUF's template."""
 
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    #: may be empty, as llama-server's: the template renders the generation prompt alone
+    messages: list[ChatMessage]
     model: Optional[str] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
