@@ -292,6 +292,10 @@ def test_responses_stream_adds_up_to_the_whole(servers):
     assert [o.type for o in done.output] == ["reasoning", "message"] and done.usage.output_tokens == 40
     # each item is done before the next begins
     assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")
+    # the SDK's own accumulator (it places each delta by output_index / content_index)
+    with c.responses.stream(**kw) as s:
+        final = s.get_final_response()
+    assert final.output_text == whole.output_text and final.output[0].content[0].text == reasoning
 
     calls = list(c.responses.create(model="m", input=ASK, tools=R_TOOLS, tool_choice="required", stream=True,
                                     max_output_tokens=200, temperature=0))
