@@ -122,6 +122,40 @@ def test_template_sees_tools_as_llama_server_passes_them(servers):
     assert m == {"input_tokens": len(n["tokens"]), "object": "response.input_tokens"}
 
 
+def test_messages_reach_the_template_as_llama_server_hands_them(servers, tmp_path):
+    """llama.cpp's workarounds, by what the template reads: a developer message is a
+    system message (Step's template drops the role it does not know); a system message
+    a template never reads opens the next message; a call's arguments stay the JSON
+    string for a template that writes them as text."""
+    import httpx
+    from pathlib import Path
+
+    def prompt(url, messages):
+        r = httpx.post(url + "/apply-template", json={"messages": messages}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["prompt"]
+
+    hi = [{"role": "user", "content": "hi"}]
+    dev = prompt(servers["mtp"].url, [{"role": "developer", "content": "be brief"}] + hi)
+    assert dev == prompt(servers["mtp"].url, [{"role": "system", "content": "be brief"}] + hi)
+    assert "be brief" in dev
+
+    templates = Path(__file__).resolve().parents[1] / "vendor/llama.cpp/models/templates"
+    if not templates.is_dir():
+        pytest.skip("the vendored llama.cpp tree is not here")
+    base = ["-c", "1024", "-np", "1", "-t", "1"]
+    with running(base + ["--chat-template-file", str(templates / "google-gemma-2-2b-it.jinja")],
+                 tmp_path) as srv:  # it raises on a system message
+        assert "<start_of_turn>user\nbe brief\nhi<end_of_turn>" in prompt(
+            srv.url, [{"role": "system", "content": "be brief"}] + hi)
+    call = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    with running(base + ["--chat-template-file", str(templates / "meetkai-functionary-medium-v3.2.jinja")],
+                 tmp_path) as srv:  # writes name + "\n" + arguments
+        assert '>>>get_weather\n{"days": 3}' in prompt(srv.url, hi + call)
+
+
 def test_reasoning_goes_to_reasoning_content(servers):
     """The generation prompt opens <think>: what the model writes until </think> is
     reasoning (the bundled model never closes it); --reasoning-format none would

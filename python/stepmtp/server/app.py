@@ -1172,10 +1172,16 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     async def render_chat(eng: Engine, messages: list[ChatMessage], add_generation_prompt: bool,
                           kwargs: dict[str, Any] | None, last_content: str | None = None) -> str:
         _check_messages(messages)
+        source = st.cfg.chat_template_source()
+        # llama.cpp's workarounds, by what the template reads (probed once per template);
+        # its built-in templates (--no-jinja) take the messages as they are
+        caps = await run_in_threadpool(template_caps, eng.model, source, sandbox=st.templates) \
+            if st.cfg.use_jinja else None
         try:
-            msgs = normalize_messages([{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages])
+            msgs = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
             if last_content is not None:  # a prefill, its parts joined as llama.cpp does
                 msgs[-1]["content"] = last_content
+            msgs = normalize_messages(msgs, caps, template_source(eng.model, source) if caps is not None else "")
         except ValueError as e:
             raise bad_request(str(e)) from None
         variables = {**st.cfg.chat_template_kwargs, **(kwargs or {})}
@@ -1185,7 +1191,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
                 return await run_in_threadpool(render_builtin, eng.model, msgs, add_generation_prompt,
                                                st.cfg.chat_template)
             return await run_in_threadpool(render_chat_text, eng.model, msgs, add_generation_prompt=add_generation_prompt,
-                                           template=st.cfg.chat_template_source(), variables=variables,
+                                           template=source, variables=variables,
                                            sandbox=st.templates)
         except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
             raise bad_request(f"chat template: {e}") from None

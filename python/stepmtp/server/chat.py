@@ -37,12 +37,21 @@ def preserved_tokens(model: Any) -> frozenset[int]:
     return frozenset(out)
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the template expects them: a call's ``arguments``, which clients
-    send as a JSON string, become the object the template iterates (``|items``)."""
+def normalize_messages(messages: list[dict[str, Any]], caps: dict[str, bool] | None = None,
+                       source: str = "") -> list[dict[str, Any]]:
+    """Messages as llama.cpp hands them to a jinja template, by what the template does
+    (``caps``, ``chat.template_caps``; None: as for Step's): ``developer`` becomes
+    ``system`` (but for gpt-oss's template, which writes ``<|channel|>`` and knows the
+    role); a system message a template never reads goes at the front of the next
+    message (alone, it goes); a call's ``arguments``, which clients send as a JSON
+    string, become the object a template iterates (``|items``) where the template
+    reads them so, and stay the string otherwise."""
+    object_args = caps is None or caps.get("supports_object_arguments", False)
     out = []
     for i, m in enumerate(messages):
         m = dict(m)
+        if m.get("role") == "developer" and "<|channel|>" not in source:
+            m["role"] = "system"
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -54,7 +63,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 c = dict(c)
                 fn = dict(c.get("function") or {})
                 args = fn.get("arguments")
-                if isinstance(args, str):
+                if isinstance(args, str) and object_args:
                     try:
                         parsed = json.loads(args) if args.strip() else {}
                     except ValueError:
@@ -64,6 +73,10 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 fixed.append(c)
             m["tool_calls"] = fixed
         out.append(m)
+    if caps is not None and not caps.get("supports_system_role", True) and out and out[0].get("role") == "system":
+        first = out.pop(0)
+        if out:
+            out[0] = {**out[0], "content": f"{first.get('content') or ''}\n{out[0].get('content') or ''}"}
     return out
 
 
