@@ -665,6 +665,19 @@ def test_slots_decode_together_and_stay_responsive(server, client, direct):
     assert results["short"]["content"] == direct["completion"].text
 
 
+def test_what_is_not_served_is_llama_servers_not_supported(client):
+    """Embeddings, reranking, infill, transcription: llama-server's routes, answered
+    with its not-supported error (501) naming what, as llama-server started without
+    the feature answers; not a 404."""
+    for path, what in (("/v1/embeddings", "embeddings"), ("/embedding", "embeddings"), ("/v1/rerank", "reranking"),
+                       ("/infill", "infill"), ("/v1/audio/transcriptions", "audio transcription")):
+        r = client.post(path, json={"input": "x"})
+        assert r.status_code == 501, (path, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "not_supported_error" and err["code"] == 501 and what in err["message"]
+    assert client.post("/v1/nowhere", json={}).status_code == 404
+
+
 def test_slots_endpoint(server, client):
     slots = client.get("/slots").json()
     assert [s["id"] for s in slots] == [0, 1]

@@ -518,6 +518,23 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             "data": [info],
         }
 
+    # llama-server's routes for what this server does not do: its not-supported error
+    # (501, naming what), not a 404 a client would take for a wrong address
+    not_served = {"embeddings": ("/embedding", "/embeddings", "/v1/embeddings"),
+                  "reranking": ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"),
+                  "infill": ("/infill",),
+                  "audio transcription": ("/audio/transcriptions", "/v1/audio/transcriptions")}
+
+    def not_supported(what: str) -> Callable[[], Any]:
+        async def route() -> Any:
+            raise APIError(f"This server does not support {what}: it serves text generation only",
+                           "not_supported_error")
+        return route
+
+    for what, paths in not_served.items():
+        for path in paths:
+            app.post(path, include_in_schema=False)(not_supported(what))
+
     @app.post("/slots/{id_slot}", tags=["server"],
               summary="A slot's cache to a file and back: ?action=save|restore|erase, body {\"filename\": ...}")
     async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[str, Any]:
