@@ -156,6 +156,30 @@ def test_messages_reach_the_template_as_llama_server_hands_them(servers, tmp_pat
         assert '>>>get_weather\n{"days": 3}' in prompt(srv.url, hi + call)
 
 
+def test_each_message_reaches_the_template_in_llama_cpps_shape(tmp_path):
+    """Rebuilt as llama.cpp rebuilds it: role, content (text parts joined by a
+    newline), then reasoning_content, name, tool_call_id when not empty, calls as type,
+    function (name, arguments: an object sent as one stays one), id; a client's other
+    fields never reach the template."""
+    import httpx
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "extra": 1},
+            {"role": "assistant", "content": None, "reasoning_content": "", "tool_calls": [
+                {"function": {"arguments": {"x": 1}, "name": "f"}, "id": "c1", "type": "function", "index": 0}]},
+            {"tool_call_id": "c1", "role": "tool", "content": "r", "name": "f", "cache_control": {}}]
+    with running(["-c", "512", "-np", "1", "-t", "1", "--chat-template", "{{ messages | tojson }}"], tmp_path) as srv:
+        r = httpx.post(srv.url + "/apply-template", json={"messages": msgs, "add_generation_prompt": False},
+                       timeout=30)
+    got = json.loads(r.json()["prompt"])
+    assert got == [{"role": "user", "content": "a\nb"},
+                   {"role": "assistant", "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}, "id": "c1"}]},
+                   {"role": "tool", "content": "r", "name": "f", "tool_call_id": "c1"}]
+    assert [list(m) for m in got] == [["role", "content"], ["role", "content", "tool_calls"],
+                                      ["role", "content", "name", "tool_call_id"]]
+    assert list(got[1]["tool_calls"][0]) == ["type", "function", "id"]
+
+
 def test_reasoning_goes_to_reasoning_content(servers):
     """The generation prompt opens <think>: what the model writes until </think> is
     reasoning (the bundled model never closes it); --reasoning-format none would

@@ -39,44 +39,57 @@ def preserved_tokens(model: Any) -> frozenset[int]:
 
 def normalize_messages(messages: list[dict[str, Any]], caps: dict[str, bool] | None = None,
                        source: str = "") -> list[dict[str, Any]]:
-    """Messages as llama.cpp hands them to a jinja template, by what the template does
-    (``caps``, ``chat.template_caps``; None: as for Step's): ``developer`` becomes
-    ``system`` (but for gpt-oss's template, which writes ``<|channel|>`` and knows the
-    role); a system message a template never reads goes at the front of the next
-    message (alone, it goes); a call's ``arguments``, which clients send as a JSON
-    string, become the object a template iterates (``|items``) where the template
-    reads them so, and stay the string otherwise."""
+    """Messages as llama.cpp hands them to a jinja template. Each is rebuilt in
+    llama.cpp's shape (``role``, ``content``, then ``reasoning_content``, ``name``,
+    ``tool_call_id`` when not empty, ``tool_calls`` as ``type``, ``function`` (``name``,
+    ``arguments``), ``id``): a client's other fields never reach the template. Then
+    its workarounds, by what the template does (``caps``, ``chat.template_caps``;
+    None: as for Step's): ``developer`` becomes ``system`` (but for gpt-oss's template,
+    which writes ``<|channel|>`` and knows the role); a system message a template never
+    reads goes at the front of the next message (alone, it goes); a call's
+    ``arguments``, a JSON string, become the object a template iterates (``|items``)
+    where the template reads them so, and stay the string otherwise."""
     object_args = caps is None or caps.get("supports_object_arguments", False)
     out = []
     for i, m in enumerate(messages):
-        m = dict(m)
-        if m.get("role") == "developer" and "<|channel|>" not in source:
-            m["role"] = "system"
+        role = m.get("role")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" and "<|channel|>" not in source else role,
+                               "content": m.get("content") or ""}
+        for key in ("reasoning_content", "name", "tool_call_id"):
+            v = m.get(key)
+            if v is not None and not isinstance(v, str):
+                raise bad_request(f"messages[{i}].{key} must be a string")
+            if v:
+                msg[key] = v
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
                 raise bad_request(f"messages[{i}].tool_calls must be a list")
             fixed = []
             for j, c in enumerate(calls):
-                if not isinstance(c, dict):
-                    raise bad_request(f"messages[{i}].tool_calls[{j}] must be an object")
-                c = dict(c)
-                fn = dict(c.get("function") or {})
+                where = f"messages[{i}].tool_calls[{j}]"
+                if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+                    raise bad_request(f"{where} must be an object with a 'function'")
+                fn = c["function"]
                 args = fn.get("arguments")
-                if isinstance(args, str) and object_args:
+                if not isinstance(args, str):  # an object: llama.cpp writes it as JSON text
+                    args = json.dumps(args if args is not None else {}, ensure_ascii=False, separators=(",", ":"))
+                if object_args:
                     try:
-                        parsed = json.loads(args) if args.strip() else {}
+                        args = json.loads(args) if args.strip() else {}
                     except ValueError:
-                        raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
-                    fn["arguments"] = parsed
-                c["function"] = fn
-                fixed.append(c)
-            m["tool_calls"] = fixed
-        out.append(m)
-    if caps is not None and not caps.get("supports_system_role", True) and out and out[0].get("role") == "system":
+                        raise bad_request(f"{where}.function.arguments is not JSON") from None
+                call: dict[str, Any] = {"type": "function", "function": {"name": fn.get("name"), "arguments": args}}
+                if "id" in c:
+                    call["id"] = c["id"]
+                fixed.append(call)
+            if fixed:
+                msg["tool_calls"] = fixed
+        out.append(msg)
+    if caps is not None and not caps.get("supports_system_role", True) and out and out[0]["role"] == "system":
         first = out.pop(0)
         if out:
-            out[0] = {**out[0], "content": f"{first.get('content') or ''}\n{out[0].get('content') or ''}"}
+            out[0] = {**out[0], "content": f"{first['content']}\n{out[0]['content']}"}
     return out
 
 
