@@ -253,6 +253,28 @@ def test_anthropic_streaming_events(servers):
     assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input["units"] in ("c", "f")
 
 
+def test_claude_codes_billing_stamp_keeps_the_prompt_cache(servers):
+    """Claude Code's system prompt opens with a billing header whose cch stamp changes
+    with every request; as in llama-server it reads the same to the model, so the next
+    turn reuses the cached prompt instead of decoding it all again."""
+    from stepmtp.server.anthropic import to_openai
+
+    header = "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch={};"
+    system = [{"type": "text", "text": header.format("a5145")},
+              {"type": "text", "text": "You are a coding agent working in a Python repository. " * 8}]
+    assert to_openai({"messages": ASK, "system": system})["messages"][0]["content"].startswith(
+        header.format("fffff") + "You are")
+    c = anthropic_client(servers["mtp"])
+    first = c.messages.create(model="m", max_tokens=4, system=system, messages=ASK, extra_body=GREEDY)
+    system[0]["text"] = header.format("9c0d2")
+    second = c.messages.create(model="m", max_tokens=4, system=system, messages=ASK, extra_body=GREEDY)
+    again = c.messages.create(model="m", max_tokens=4, system=system, messages=ASK, extra_body=GREEDY)
+    # a new stamp reuses as much as the very same request sent again: all but the last tokens
+    n = second.usage.input_tokens + second.usage.cache_read_input_tokens
+    assert n > 100 and second.usage.cache_read_input_tokens == again.usage.cache_read_input_tokens >= n - 2
+    assert [b.model_dump() for b in second.content] == [b.model_dump() for b in first.content]
+
+
 def test_thinking_budget_ends_the_reasoning(servers):
     """llama-server's thinking_budget_tokens (and Anthropic's thinking.budget_tokens):
     after the budget the end of thinking is forced and the answer follows, the same

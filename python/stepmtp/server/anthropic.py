@@ -20,7 +20,36 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+        return "".join(b["text"] for b in content
+                       if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str))
+    return ""
+
+
+_BILLING = "x-anthropic-billing-header:"
+
+
+def _steady_billing_header(text: str) -> str:
+    """Claude Code opens its system prompt with a billing header whose ``cch=XXXXX;``
+    stamp changes with every request: left as it is, no request shares a cached prefix
+    past it and every turn re-reads the whole conversation. As llama-server does, the
+    stamp reads ``fffff`` for the model (the header is nothing the model needs)."""
+    if not text.startswith(_BILLING):
+        return text
+    i = text.find("cch=", len(_BILLING))
+    if i < 0:
+        return text
+    j = i + len("cch=")
+    if j + 5 < len(text) and text[j + 5] == ";":
+        return text[:j] + "fffff" + text[j + 5:]
+    return text
+
+
+def _system_text(system: Any) -> str:
+    if isinstance(system, str):
+        return _steady_billing_header(system)
+    if isinstance(system, list):
+        return "".join(_steady_billing_header(b["text"]) for b in system
+                       if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str))
     return ""
 
 
@@ -33,7 +62,7 @@ def to_openai(body: Any) -> dict[str, Any]:
     msgs: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        msgs.append({"role": "system", "content": _text_of(system)})
+        msgs.append({"role": "system", "content": _system_text(system)})
     if not isinstance(body["messages"], list):
         raise bad_request("'messages' must be a list")
     for i, m in enumerate(body["messages"]):
@@ -54,7 +83,9 @@ def to_openai(body: Any) -> dict[str, Any]:
             elif kind == "tool_use":
                 calls.append({"id": str(b.get("id", "")), "type": "function",
                               "function": {"name": str(b.get("name", "")),
-                                           "arguments": json.dumps(b.get("input") or {})}})
+                                           # compact, as llama-server writes it
+                                           "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False,
+                                                                   separators=(",", ":"))}})
             elif kind == "tool_result":
                 results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
                                 "content": _text_of(b.get("content"))})
