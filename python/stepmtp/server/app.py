@@ -1070,7 +1070,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     async def anthropic_messages(request: Request) -> Any:
         st.need_engine()
         req = await converted_request(request, to_anthropic_openai)
-        msg_id = "msg_" + F.completion_id().split("-", 1)[-1]
+        msg_id = F.random_id("msg_")
         return await answer_converted(
             request, req, lambda c, m, info: A.message_json(c, m, info.model, msg_id),
             lambda info, gen: A.Events(info.model, msg_id, len(gen.prompt_tokens)))
@@ -1080,7 +1080,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     async def responses(request: Request) -> Any:
         st.need_engine()
         req = await converted_request(request, R.to_openai)
-        resp_id = R.new_id("resp_")
+        resp_id = F.random_id("resp_")
         return await answer_converted(request, req, lambda c, m, info: R.response_json(c, m, info.model, resp_id),
                                       lambda info, gen: R.Events(info.model, resp_id))
 

@@ -19,9 +19,14 @@ from ..stats import GenStats
 _ALNUM = string.digits + string.ascii_uppercase + string.ascii_lowercase
 
 
+def random_id(prefix: str) -> str:
+    """llama-server's ids: a prefix and 32 random letters and digits."""
+    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(32))
+
+
 def completion_id() -> str:
     """llama-server's gen_chatcmplid(), used for completions and chat alike."""
-    return "chatcmpl-" + "".join(secrets.choice(_ALNUM) for _ in range(32))
+    return random_id("chatcmpl-")
 
 
 def _finite(x: float) -> float | None:

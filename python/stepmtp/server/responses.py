@@ -14,8 +14,6 @@ refused (nothing is stored: the client sends the whole conversation).
 """
 from __future__ import annotations
 
-import secrets
-import string
 import time
 from typing import Any
 
@@ -24,19 +22,12 @@ from ..engine import Completion
 from . import formats as F
 from .errors import bad_request
 
-__all__ = ["to_openai", "response_json", "Events", "new_id"]
-
-_ALNUM = string.digits + string.ascii_letters
+__all__ = ["to_openai", "response_json", "Events"]
 
 #: Responses fields with no chat counterpart: accepted, no effect (nothing is stored,
 #: nothing is truncated for the client, no service tiers)
 _IGNORED = ("store", "include", "truncation", "metadata", "service_tier", "background", "prompt_cache_key",
             "safety_identifier", "user", "top_logprobs", "conversation", "stream_options", "max_tool_calls")
-
-
-def new_id(prefix: str) -> str:
-    """llama-server's ids: a prefix and 32 random letters and digits."""
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(32))
 
 
 def _input_parts(item: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -264,9 +255,9 @@ def response_json(c: Completion, message: dict[str, Any], model: str, resp_id: s
     """The whole response: reasoning, message, then function-call items."""
     output = []
     if message.get("reasoning_content"):
-        output.append(_reasoning_item(new_id("rs_"), message["reasoning_content"], "completed"))
+        output.append(_reasoning_item(F.random_id("rs_"), message["reasoning_content"], "completed"))
     if message.get("content"):
-        output.append(_message_item(new_id("msg_"), message["content"], "completed"))
+        output.append(_message_item(F.random_id("msg_"), message["content"], "completed"))
     for call in message.get("tool_calls") or []:
         output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed"))
     return _response(resp_id, model, int(time.time()), "completed", output, c)
@@ -339,14 +330,14 @@ class Events:
         out = self.start()
         if d.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
-                out += self._begin(_reasoning_item(new_id("rs_"), "", "in_progress"))
+                out += self._begin(_reasoning_item(F.random_id("rs_"), "", "in_progress"))
                 self.open["text"] = ""
             self.open["text"] += d.reasoning
             out.append(self._sse("response.reasoning_text.delta",
                                  {**self._where(), "content_index": 0, "delta": d.reasoning}))
         if d.content:
             if self.open is None or self.open["type"] != "message":
-                out += self._begin(_message_item(new_id("msg_"), None, "in_progress"))
+                out += self._begin(_message_item(F.random_id("msg_"), None, "in_progress"))
                 self.open["text"] = ""
             self.open["text"] += d.content
             out.append(self._sse("response.output_text.delta",
