@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stepmtp.budget import BudgetState, ReasoningBudget, _utf8_complete
+from stepmtp.budget import BudgetState, ReasoningBudget, ReasoningControl, _utf8_complete
 
 START, END, MSG = [7], [8, 9], [5, 6]  # "<think>", "</think>" in two tokens, a message
 
@@ -52,6 +52,33 @@ def test_a_character_is_not_cut():
     assert st.forcing == 5
     assert _utf8_complete("é".encode()) and not _utf8_complete("é".encode()[:1])
     assert not _utf8_complete("語".encode()[:2]) and _utf8_complete(b"ab")
+
+
+def test_a_requested_end_forces_after_the_next_token_and_stays():
+    """No budget (-1) and a control: thinking runs free until the end is requested; from
+    the next round's start it is forced after the next token that completes a
+    character. The request is not part of the rolled-back state: undoing that token
+    leaves it pending, and a later think block ends at once."""
+    ctl = ReasoningControl()
+    st = BudgetState(100, START, END, MSG + END, -1, lambda t: t != 42, ctl)
+    assert forced_run(st, [7] + [1] * 50) == [None] * 51  # no limit
+    ctl.request_end()
+    st.advance(1)
+    assert st.forcing is None  # read at a round's start only, never under its masks
+    st.begin_round()
+    assert st.forcing is None
+    st.advance(42)  # a character's first byte: wait for its end
+    assert st.forcing is None
+    st.advance(43)
+    assert st.forcing == 5
+    st.rollback(1)
+    assert st.forcing is None
+    st.advance(2)
+    assert forced_run(st, [5, 6, 8, 9, 3]) == [5, 6, 8, 9, None]
+    st.advance(7)  # a new think block
+    assert st.forcing == 5
+    with pytest.raises(ValueError):
+        ReasoningBudget(-2)
 
 
 def test_rollback_restores_the_state_speculation_needs():

@@ -253,6 +253,48 @@ def test_anthropic_streaming_events(servers):
     assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input["units"] in ("c", "f")
 
 
+def test_reasoning_ended_while_it_runs(servers):
+    """llama-server's reasoning_control: a streamed chat completion's thinking is ended
+    by POST /v1/chat/completions/control {"id", "action": "reasoning_end"} (the bundled
+    model never ends it by itself); the answer follows, drafted by the heads. Asked of
+    a completion that did not arm it, or one that is over, it says so."""
+    import httpx
+
+    url = servers["mtp"].url
+    body = {"messages": ASK, "max_tokens": 800, "temperature": 0, "stream": True, "reasoning_control": True}
+    parts = {"reasoning": "", "content": ""}
+    cmpl_id, answer = None, None
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            cmpl_id = chunk["id"]
+            for ch in chunk.get("choices") or []:
+                parts["reasoning"] += ch["delta"].get("reasoning_content") or ""
+                parts["content"] += ch["delta"].get("content") or ""
+            if answer is None and parts["reasoning"]:
+                answer = http.post(url + "/v1/chat/completions/control",
+                                   json={"id": cmpl_id, "action": "reasoning_end"}).json()
+    assert answer == {"success": True}
+    assert parts["reasoning"] and parts["content"], parts
+    over = httpx.post(url + "/v1/chat/completions/control", json={"id": cmpl_id, "action": "reasoning_end"}).json()
+    assert over == {"success": False, "message": "no active completion for this id"}
+    for bad, why in (({"action": "reasoning_end"}, "missing completion id"), ({"id": cmpl_id}, "unknown control")):
+        r = httpx.post(url + "/v1/chat/completions/control", json=bad)
+        assert r.status_code == 400 and why in r.json()["error"]["message"]
+
+    # a completion that did not ask for the control
+    seen = {}
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/chat/completions",
+                                                       json={**body, "reasoning_control": False}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and not seen:
+                seen = http.post(url + "/v1/chat/completions/control",
+                                 json={"id": json.loads(line[6:])["id"], "action": "reasoning_end"}).json()
+    assert seen == {"success": False, "message": "reasoning control not enabled for this completion"}
+
+
 def test_claude_codes_billing_stamp_keeps_the_prompt_cache(servers):
     """Claude Code's system prompt opens with a billing header whose cch stamp changes
     with every request; as in llama-server it reads the same to the model, so the next

@@ -11,13 +11,13 @@ tail from its last start tag is fed through first, as llama.cpp feeds the genera
 prompt, so a prompt that opens the think block starts the count.
 
 ``BudgetState`` speaks the MTP driver's constraint protocol (``masked``, ``mask_into``,
-``fill_bitmask``, ``allowed``, ``advance``, ``rollback``): while forcing, a row allows
+``fill_bitmask``, ``allowed``, ``advance``, ``rollback``, ``begin_round``): while forcing, a row allows
 the forced token only, so drafts that agree are accepted and the verify row keeps the
 text of plain decoding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
@@ -26,24 +26,40 @@ import numpy as np
 if TYPE_CHECKING:
     from .llama import Model
 
-__all__ = ["ReasoningBudget", "BudgetState"]
+__all__ = ["ReasoningBudget", "BudgetState", "ReasoningControl"]
 
 IDLE, COUNTING, WAITING_UTF8, FORCING, DONE = range(5)
 
 
+class ReasoningControl:
+    """Ends a running generation's reasoning on request, from any thread (llama-server's
+    ``reasoning_control`` and its ``reasoning_end`` action). The request stays: from the
+    driver's next round the think block ends after the next token that completes a
+    character, and a later one ends at once."""
+
+    __slots__ = ("end_requested",)
+
+    def __init__(self) -> None:
+        self.end_requested = False
+
+    def request_end(self) -> None:
+        self.end_requested = True
+
+
 @dataclass(frozen=True)
 class ReasoningBudget:
-    """A budget of ``tokens`` (>= 0) for each think block between ``start`` and ``end``;
-    ``message`` is written before the forced end tag."""
+    """A budget of ``tokens`` for each think block between ``start`` and ``end`` (-1: no
+    limit, for a ``control`` alone); ``message`` is written before the forced end tag."""
 
     tokens: int
     message: str = ""
     start: str = "<think>"
     end: str = "</think>"
+    control: ReasoningControl | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.tokens < 0:
-            raise ValueError("a reasoning budget is >= 0 tokens")
+        if self.tokens < -1:
+            raise ValueError("a reasoning budget is >= 0 tokens, or -1 for none")
         if not self.start or not self.end:
             raise ValueError("a reasoning budget needs the think block's start and end tags")
 
@@ -52,7 +68,7 @@ class ReasoningBudget:
         last ``<think>`` on) went through it."""
         tok = lambda s: model.tokenize(s, add_special=False, parse_special=True)  # noqa: E731
         st = BudgetState(model.n_vocab, tok(self.start), tok(self.end), tok(self.message + self.end), self.tokens,
-                         lambda t: _utf8_complete(model.token_to_piece(t)))
+                         lambda t: _utf8_complete(model.token_to_piece(t)), self.control)
         if prefill:
             st.advance_many(tok(prefill))
             st.history.clear()  # the prompt's part is not generated text: nothing to roll back to
@@ -97,12 +113,15 @@ class BudgetState:
     """One sequence's reasoning budget (see the module docstring)."""
 
     def __init__(self, n_vocab: int, start: Sequence[int], end: Sequence[int], forced: Sequence[int],
-                 budget: int, utf8_complete: Callable[[int], bool]) -> None:
+                 budget: int, utf8_complete: Callable[[int], bool], control: ReasoningControl | None = None) -> None:
         self.vocab = SimpleNamespace(n_vocab=n_vocab, n_words=(n_vocab + 31) // 32)
         self._start, self._end = _Matcher(start), _Matcher(end)
         self.forced_tokens = list(forced)
         self.budget = budget
         self._complete = utf8_complete
+        self.control = control
+        #: the control's request as of this round's start (``begin_round``)
+        self._end_latched = False
         self.mode, self.remaining, self.force_pos = IDLE, budget, 0
         #: the state before each token given to advance (for rollback)
         self.history: list[tuple[int, int, int, int, int]] = []
@@ -179,8 +198,9 @@ class BudgetState:
                 if complete:
                     self._force()
             else:
-                self.remaining -= 1
-                if self.remaining <= 0:
+                if self.budget >= 0:
+                    self.remaining -= 1
+                if self.budget >= 0 and self.remaining <= 0 or self._end_latched:
                     if complete:
                         self._force()
                     else:
@@ -208,9 +228,16 @@ class BudgetState:
         del self.history[-n:]
         self.mode, self.remaining, self.force_pos, self._start.pos, self._end.pos = state
 
+    def begin_round(self) -> None:
+        """The driver starts a round: a reasoning end requested meanwhile (from another
+        thread) applies from here, after the next token that completes a character.
+        Read at no other time, so that the masks the drafting step keeps for the
+        verify rows and the tokens verification advances see the same state."""
+        self._end_latched = self.control is not None and self.control.end_requested
+
     def _arm(self) -> None:
         self.mode, self.remaining = COUNTING, self.budget
-        if self.remaining <= 0:
+        if self.budget >= 0 and self.remaining <= 0 or self._end_latched:
             self._force()
 
     def _force(self) -> None:

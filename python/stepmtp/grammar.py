@@ -468,6 +468,9 @@ class ConstraintState:
         del self._counted[-n:]
         self._bits_fresh = False
 
+    def begin_round(self) -> None:
+        """The MTP driver starts a round: a grammar has nothing to pick up between rounds."""
+
     def reset(self) -> None:
         """Back to the start of the grammar."""
         self.rollback(len(self.tokens))

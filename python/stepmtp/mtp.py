@@ -754,6 +754,8 @@ class MTPDriver:
                     self._bound_catch_up(s)
             s.drafts = []
             s.n_masked = 0
+            if s.constraint is not None:
+                s.constraint.begin_round()
         if self.speculate:
             if self.fused:
                 self._draft_fused(seqs)

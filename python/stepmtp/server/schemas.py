@@ -315,6 +315,8 @@ class ChatCompletionRequest(GenerationFields):
     reasoning_effort: Optional[str] = None
     #: llama-server's per-request --reasoning-budget (-1: the server's)
     thinking_budget_tokens: Optional[Int] = Field(None, ge=-1, le=INT32_MAX)
+    #: llama-server's: the reasoning can be ended while it runs (/v1/chat/completions/control)
+    reasoning_control: bool = False
     #: vLLM's: continue the last (assistant) message instead of starting a new one
     continue_final_message: Optional[bool] = None
     logprobs: Optional[bool] = None
