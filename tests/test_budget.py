@@ -3,10 +3,12 @@ engine (forced end of thinking, the same text with speculation as without), the
 server's flags and fields."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
-from stepmtp.budget import BudgetState, ReasoningBudget, ReasoningControl, _utf8_complete
+from stepmtp.budget import BudgetState, ReasoningBudget, _utf8_complete
 
 START, END, MSG = [7], [8, 9], [5, 6]  # "<think>", "</think>" in two tokens, a message
 
@@ -59,10 +61,10 @@ def test_a_requested_end_forces_after_the_next_token_and_stays():
     the next round's start it is forced after the next token that completes a
     character. The request is not part of the rolled-back state: undoing that token
     leaves it pending, and a later think block ends at once."""
-    ctl = ReasoningControl()
+    ctl = threading.Event()
     st = BudgetState(100, START, END, MSG + END, -1, lambda t: t != 42, ctl)
     assert forced_run(st, [7] + [1] * 50) == [None] * 51  # no limit
-    ctl.request_end()
+    ctl.set()
     st.advance(1)
     assert st.forcing is None  # read at a round's start only, never under its masks
     st.begin_round()

@@ -17,6 +17,7 @@ text of plain decoding.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -26,36 +27,25 @@ import numpy as np
 if TYPE_CHECKING:
     from .llama import Model
 
-__all__ = ["ReasoningBudget", "BudgetState", "ReasoningControl"]
+__all__ = ["ReasoningBudget", "BudgetState"]
 
 IDLE, COUNTING, WAITING_UTF8, FORCING, DONE = range(5)
-
-
-class ReasoningControl:
-    """Ends a running generation's reasoning on request, from any thread (llama-server's
-    ``reasoning_control`` and its ``reasoning_end`` action). The request stays: from the
-    driver's next round the think block ends after the next token that completes a
-    character, and a later one ends at once."""
-
-    __slots__ = ("end_requested",)
-
-    def __init__(self) -> None:
-        self.end_requested = False
-
-    def request_end(self) -> None:
-        self.end_requested = True
 
 
 @dataclass(frozen=True)
 class ReasoningBudget:
     """A budget of ``tokens`` for each think block between ``start`` and ``end`` (-1: no
-    limit, for a ``control`` alone); ``message`` is written before the forced end tag."""
+    limit, for a ``control`` alone); ``message`` is written before the forced end tag.
+    ``control``: set from any thread, it ends the reasoning (llama-server's
+    ``reasoning_control`` and its ``reasoning_end`` action); it stays set: from the
+    driver's next round the think block ends after the next token that completes a
+    character, and a later one ends at once."""
 
     tokens: int
     message: str = ""
     start: str = "<think>"
     end: str = "</think>"
-    control: ReasoningControl | None = field(default=None, compare=False)
+    control: threading.Event | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.tokens < -1:
@@ -113,7 +103,7 @@ class BudgetState:
     """One sequence's reasoning budget (see the module docstring)."""
 
     def __init__(self, n_vocab: int, start: Sequence[int], end: Sequence[int], forced: Sequence[int],
-                 budget: int, utf8_complete: Callable[[int], bool], control: ReasoningControl | None = None) -> None:
+                 budget: int, utf8_complete: Callable[[int], bool], control: threading.Event | None = None) -> None:
         self.vocab = SimpleNamespace(n_vocab=n_vocab, n_words=(n_vocab + 31) // 32)
         self._start, self._end = _Matcher(start), _Matcher(end)
         self.forced_tokens = list(forced)
@@ -198,9 +188,8 @@ class BudgetState:
                 if complete:
                     self._force()
             else:
-                if self.budget >= 0:
-                    self.remaining -= 1
-                if self.budget >= 0 and self.remaining <= 0 or self._end_latched:
+                self.remaining -= 1
+                if self._spent():
                     if complete:
                         self._force()
                     else:
@@ -233,11 +222,15 @@ class BudgetState:
         thread) applies from here, after the next token that completes a character.
         Read at no other time, so that the masks the drafting step keeps for the
         verify rows and the tokens verification advances see the same state."""
-        self._end_latched = self.control is not None and self.control.end_requested
+        self._end_latched = self.control is not None and self.control.is_set()
+
+    def _spent(self) -> bool:
+        """The think block must end: its budget (if any) is used up, or the end was asked for."""
+        return self.budget >= 0 and self.remaining <= 0 or self._end_latched
 
     def _arm(self) -> None:
         self.mode, self.remaining = COUNTING, self.budget
-        if self.budget >= 0 and self.remaining <= 0 or self._end_latched:
+        if self._spent():
             self._force()
 
     def _force(self) -> None:

@@ -44,15 +44,6 @@ def _steady_billing_header(text: str) -> str:
     return text
 
 
-def _system_text(system: Any) -> str:
-    if isinstance(system, str):
-        return _steady_billing_header(system)
-    if isinstance(system, list):
-        return "".join(_steady_billing_header(b["text"]) for b in system
-                       if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str))
-    return ""
-
-
 def to_openai(body: Any) -> dict[str, Any]:
     """The OpenAI chat request an Anthropic Messages request stands for."""
     if not isinstance(body, dict):
@@ -62,7 +53,7 @@ def to_openai(body: Any) -> dict[str, Any]:
     msgs: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        msgs.append({"role": "system", "content": _system_text(system)})
+        msgs.append({"role": "system", "content": _steady_billing_header(_text_of(system))})
     if not isinstance(body["messages"], list):
         raise bad_request("'messages' must be a list")
     for i, m in enumerate(body["messages"]):

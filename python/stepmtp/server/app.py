@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..budget import ReasoningBudget, ReasoningControl
+from ..budget import ReasoningBudget
 from ..chat import (render_builtin, render_chat as render_chat_text, template_caps, template_source,
                     user_turn_start)
 from ..chat.sandbox import TemplateSandbox
@@ -100,9 +100,6 @@ class ServerState:
         self.preserved: frozenset[int] = frozenset()
         self.n_draft = 0
         self.memory: dict[str, dict[str, int]] = {}
-        #: chat completions generating now, by id: their reasoning budget, if any (what
-        #: /v1/chat/completions/control acts on)
-        self.live_chats: dict[str, ReasoningBudget | None] = {}
         #: called (from the loading thread) when the model cannot be loaded: stops the server
         self.on_fatal: Callable[[], None] | None = None
         self.exit_code = 0
@@ -354,6 +351,14 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             return model.model_validate_json(raw or b"")
         except ValidationError as e:
             raise bad_request(format_validation_error(e)) from None
+
+    async def read_json(request: Request) -> Any:
+        """The request's body as JSON, whatever its shape (null when empty)."""
+        raw = await read_body(request)
+        try:
+            return json.loads(raw or b"null")
+        except ValueError as e:
+            raise bad_request(f"invalid JSON: {e}") from None
 
     async def read_body(request: Request) -> bytes:
         limit = cfg.max_body_bytes
@@ -944,13 +949,10 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         fmt, gens, info = await chat_jobs(eng, req)
         if not req.stream:
             jobs = [submit(g) for g in gens]
-            st.live_chats[info.id] = fmt.reasoning_budget
             try:
                 results = await run_all(jobs, request)
             except ClientGone:
                 return gone()
-            finally:
-                st.live_chats.pop(info.id, None)
             res = F.oai_chat(results, info, [chat_message(fmt.parser(), c.text) for c in results])
             if cfg.verbose:  # llama-server's debug object: the native result, the prompt included
                 info.prompt_text = eng.model.detokenize(results[0].prompt_tokens, unparse_special=True)
@@ -958,15 +960,10 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             return JSONResponse(res)
 
         job = submit(gens[0])
-        st.live_chats[info.id] = fmt.reasoning_budget
         try:
             items = await first_items(job, request)
         except ClientGone:
-            st.live_chats.pop(info.id, None)
             return gone()
-        except BaseException:
-            st.live_chats.pop(info.id, None)
-            raise
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         started = {"role": False}
         held: list[Any] = []
@@ -998,35 +995,29 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
             out.extend(F.sse(x) for x in F.oai_chat_final_chunks(c, info, include_usage, reason))
             return out
 
-        def closed() -> None:
-            job.cancel()
-            st.live_chats.pop(info.id, None)
-
         # llama-server sends the role delta with every progress report
         return SSEResponse(stream_events(job, items, on_chunk, on_done, done_marker=True,
                                          progress=lambda p: F.oai_chat_chunk({"role": "assistant", "content": None},
-                                                                             info)), closed)
+                                                                             info)), job.cancel)
 
     @app.post("/v1/chat/completions/control", tags=["openai"],
               summary="Act on a running chat completion: {\"id\": ..., \"action\": \"reasoning_end\"}")
     async def chat_control(request: Request) -> dict[str, Any]:
-        raw = await read_body(request)
-        try:
-            payload = json.loads(raw or b"null")
-        except ValueError as e:
-            raise bad_request(f"invalid JSON: {e}") from None
+        payload = await read_json(request)
         payload = payload if isinstance(payload, dict) else {}
         cmpl_id, action = payload.get("id"), payload.get("action")
         if not isinstance(cmpl_id, str) or not cmpl_id:
             raise bad_request("missing completion id")
         if action != "reasoning_end":
             raise bad_request("unknown control action")
-        if cmpl_id not in st.live_chats:
+        # the worker's jobs in a slot, as llama-server looks among its slots
+        gens = [job.request for job in (st.worker.running() if st.worker else []) if job.request.cmpl_id == cmpl_id]
+        if not gens:
             return {"success": False, "message": "no active completion for this id"}
-        budget = st.live_chats[cmpl_id]
+        budget = gens[0].reasoning_budget
         if budget is None or budget.control is None:
             return {"success": False, "message": "reasoning control not enabled for this completion"}
-        budget.control.request_end()
+        budget.control.set()
         return {"success": True}
 
     async def chat_tokens(eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str, list[int]]:
@@ -1052,22 +1043,20 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         gens, settings = await prepare(eng, req, [toks], stream=req.stream,
                                        grammar=("lark", fmt.grammar) if fmt.grammar else None)
         n_before_user = await tokens_before_user(eng, text)
+        settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
+        info = result_info(eng, settings)
         for g in gens:
             g.preserved = fmt.preserved
             g.n_before_user = n_before_user
             g.reasoning_budget = fmt.reasoning_budget
-        settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
-        return fmt, gens, result_info(eng, settings)
+            g.cmpl_id = info.id
+        return fmt, gens, info
 
     # -- the chat APIs of other vendors: Anthropic's Messages, OpenAI's Responses ----------
 
     async def converted_request(request: Request, to_chat: Callable[[Any], dict[str, Any]]) -> ChatCompletionRequest:
         """Another API's request as the chat request it stands for (``to_chat``)."""
-        raw = await read_body(request)
-        try:
-            payload = json.loads(raw or b"null")
-        except ValueError as e:
-            raise bad_request(f"invalid JSON: {e}") from None
+        payload = await read_json(request)
         try:
             return ChatCompletionRequest.model_validate(to_chat(payload), strict=False)
         except ValidationError as e:
@@ -1217,7 +1206,7 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         step = is_step_template(source)
         # llama-server's reasoning_control: a budget (none, -1, unless one is set) whose
         # think block a /v1/chat/completions/control request can end
-        control = ReasoningControl() if req.reasoning_control else None
+        control = threading.Event() if req.reasoning_control else None
         thinks = (budget > 0 or control is not None) and (thinking or step) and not constrained
         fmt = ChatFormat(step=step, thinking=thinking, reasoning_format=rf, tools=tools,
                          parse_tools=bool(tools), preserved=st.preserved, grammar=forced,

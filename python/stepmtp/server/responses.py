@@ -277,7 +277,8 @@ class Events:
         self.created = int(time.time())
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # finished items, in order
-        self.open: dict[str, Any] | None = None  # the item being written
+        self.open: dict[str, Any] | None = None  # the item being written, as output_item.added showed it
+        self.acc = ""  # its text (reasoning, message) or arguments (a call) so far
         self.started = False
 
     def _sse(self, event: str, data: dict[str, Any]) -> str:
@@ -294,11 +295,12 @@ class Events:
                 self._sse("response.in_progress", {"response": head})]
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.open["id"], "output_index": len(self.items)} if self.open else {}
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.items)}
 
     def _begin(self, item: dict[str, Any]) -> list[str]:
         out = self._close()
-        self.open = item
+        self.open, self.acc = item, ""
         out.append(self._sse("response.output_item.added", {"output_index": len(self.items), "item": item}))
         if item["type"] == "message":
             out.append(self._sse("response.content_part.added",
@@ -306,22 +308,21 @@ class Events:
         return out
 
     def _close(self) -> list[str]:
-        item, self.open = self.open, None
-        if item is None:
+        if self.open is None:
             return []
-        where = {"item_id": item["id"], "output_index": len(self.items)}
+        where, item, text = self._where(), self.open, self.acc
+        self.open = None
         out = []
         if item["type"] == "reasoning":
-            done = _reasoning_item(item["id"], item["text"], "completed")
-            out.append(self._sse("response.reasoning_text.done", {**where, "content_index": 0, "text": item["text"]}))
+            done = _reasoning_item(item["id"], text, "completed")
+            out.append(self._sse("response.reasoning_text.done", {**where, "content_index": 0, "text": text}))
         elif item["type"] == "message":
-            done = _message_item(item["id"], item["text"], "completed")
-            out.append(self._sse("response.output_text.done", {**where, "content_index": 0, "text": item["text"]}))
-            out.append(self._sse("response.content_part.done",
-                                 {**where, "content_index": 0, "part": _text_part(item["text"])}))
+            done = _message_item(item["id"], text, "completed")
+            out.append(self._sse("response.output_text.done", {**where, "content_index": 0, "text": text}))
+            out.append(self._sse("response.content_part.done", {**where, "content_index": 0, "part": _text_part(text)}))
         else:
-            done = _call_item(item["call_id"], item["name"], item["arguments"], "completed")
-            out.append(self._sse("response.function_call_arguments.done", {**where, "arguments": item["arguments"]}))
+            done = _call_item(item["call_id"], item["name"], text, "completed")
+            out.append(self._sse("response.function_call_arguments.done", {**where, "arguments": text}))
         out.append(self._sse("response.output_item.done", {"output_index": len(self.items), "item": done}))
         self.items.append(done)
         return out
@@ -331,22 +332,20 @@ class Events:
         if d.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
                 out += self._begin(_reasoning_item(F.random_id("rs_"), "", "in_progress"))
-                self.open["text"] = ""
-            self.open["text"] += d.reasoning
+            self.acc += d.reasoning
             out.append(self._sse("response.reasoning_text.delta",
                                  {**self._where(), "content_index": 0, "delta": d.reasoning}))
         if d.content:
             if self.open is None or self.open["type"] != "message":
                 out += self._begin(_message_item(F.random_id("msg_"), None, "in_progress"))
-                self.open["text"] = ""
-            self.open["text"] += d.content
+            self.acc += d.content
             out.append(self._sse("response.output_text.delta",
                                  {**self._where(), "content_index": 0, "delta": d.content}))
         for c in d.tool_calls:
             if c.id is not None:
                 out += self._begin(_call_item(c.id, c.name or "", "", "in_progress"))
             if c.arguments and self.open is not None and self.open["type"] == "function_call":
-                self.open["arguments"] += c.arguments
+                self.acc += c.arguments
                 out.append(self._sse("response.function_call_arguments.delta", {**self._where(), "delta": c.arguments}))
         return out
 

@@ -109,6 +109,8 @@ class GenRequest:
     n_before_user: int = 0
     #: llama-server's reasoning budget (a budget.ReasoningBudget), for a chat that thinks
     reasoning_budget: Any = None
+    #: the chat completion's id, for /v1/chat/completions/control ("": not a chat)
+    cmpl_id: str = ""
 
 
 _ids = itertools.count()
@@ -164,7 +166,11 @@ class Worker:
 
     @property
     def n_running(self) -> int:
-        return sum(req.state.seq_id >= 0 and not req.done for _, req in list(self._active.values()))
+        return len(self.running())
+
+    def running(self) -> list[Job]:
+        """The jobs generating now, in a slot (safe from any thread)."""
+        return [job for job, req in list(self._active.values()) if req.state.seq_id >= 0 and not req.done]
 
     def submit(self, job: Job) -> None:
         if self._stopping:
