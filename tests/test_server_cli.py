@@ -105,6 +105,17 @@ def test_llama_servers_sampler_flags():
                                                 "min_p", "xtc", "temperature")
 
 
+def test_auto_slots_fit_a_small_batch():
+    """-np auto is 4 slots, as llama-server's, unless -b is too small for 4 slots' verify
+    rows (n-max + 2 each) in one decode: then as many as fit (llama-server runs with any
+    -b); a -np given is kept."""
+    assert parse_args(["--spec-type", "draft-mtp"]).total_slots == 4
+    assert parse_args(["--spec-type", "draft-mtp", "-b", "16"]).total_slots == 3  # 16 // (3 + 2)
+    assert parse_args(["--spec-type", "draft-mtp", "-b", "16", "--spec-draft-n-max", "1"]).total_slots == 4
+    assert parse_args(["-b", "16"]).total_slots == 4  # no drafting: one row a slot
+    assert parse_args(["--spec-type", "draft-mtp", "-b", "16", "-np", "2"]).total_slots == 2
+
+
 def test_environment_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "1234")
     monkeypatch.setenv("LLAMA_ARG_PORT", "9999")

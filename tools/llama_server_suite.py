@@ -40,6 +40,7 @@ Usage::
     python tools/llama_server_suite.py --model tiny         # write_agree_model() instead
     python tools/llama_server_suite.py --keep -v            # keep the temp dir, show pytest's output
     python tools/llama_server_suite.py --any-text           # text regexes of the original models always pass
+    python tools/llama_server_suite.py --np-auto            # every server with -np auto (the tests' -np dropped)
 
 Default files: test_basic, test_completion, test_chat_completion, test_template,
 test_tokenize, test_tool_call, test_security; ``--extra`` adds test_compat_anthropic,
@@ -85,6 +86,7 @@ import json, os, sys
 KNOWN = set(json.loads(@KNOWN@))
 BOOL = set(json.loads(@BOOL@))
 STRICT = @STRICT@
+NP_AUTO = @NP_AUTO@
 LOG = @LOG@
 
 
@@ -100,6 +102,9 @@ args, out, dropped = sys.argv[1:], [], []
 i = 0
 while i < len(args):
     a = args[i]
+    if NP_AUTO and a.split("=", 1)[0] in ("-np", "--parallel"):  # the server's default slots
+        i += 1 if "=" in a else 2
+        continue
     if a.startswith("-") and not is_num(a) and KNOWN and not STRICT:
         name = a.split("=", 1)[0]
         norm = name.replace("_", "-") if name.startswith("--") else name
@@ -232,6 +237,7 @@ def prepare(tmp: Path, args: argparse.Namespace) -> tuple[Path, dict[str, str]]:
     text = WRAPPER
     for key, val in (("@PYTHON@", sys.executable), ("@KNOWN@", repr(json.dumps(known_flags()))),
                      ("@BOOL@", repr(json.dumps(sorted(BOOL_FLAGS)))), ("@STRICT@", repr(args.strict_flags)),
+                     ("@NP_AUTO@", repr(args.np_auto)),
                      ("@LOG@", repr(str(log)))):
         text = text.replace(key, val)
     wrapper.write_text(text)
@@ -338,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--any-text", action="store_true",
                     help="make match_regex() (the checks of the original models' text) always pass, to see "
                          "what fails behind them")
+    ap.add_argument("--np-auto", action="store_true",
+                    help="every server at its default slot count (-np auto), as users run it: the tests' "
+                         "--parallel / -np are dropped")
     ap.add_argument("--strict-flags", action="store_true",
                     help="pass llama-server flags our server does not know through (it then exits at start)")
     ap.add_argument("--json", type=Path, help="write the summary as JSON here")

@@ -128,8 +128,11 @@ class ServerConfig:
 
     @property
     def total_slots(self) -> int:
-        """Slots, as llama-server counts them (-np; auto: 4)."""
-        return self.n_parallel if self.n_parallel > 0 else 4
+        """Slots, as llama-server counts them (-np; auto: 4, fewer when a small -b could
+        not carry every slot's verify rows in one decode: each needs n-max + 2)."""
+        if self.n_parallel > 0:
+            return self.n_parallel
+        return max(1, min(4, self.n_batch // (self.n_max + 2))) if self.speculative else 4
 
     @property
     def unified_kv(self) -> bool:
