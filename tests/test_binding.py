@@ -242,7 +242,8 @@ def test_a_decode_attends_past_other_sequences_cells_with_the_same_bits(embedded
     are left out. Its logits must be those of the whole window to the bit, or
     speculation and plain decoding would part when other slots hold prompts. The
     comparison run decodes the same rows at the same cells beside a row of the other
-    sequence that lands in cell 0 (freed for it), so its window starts at 0."""
+    sequence, whose cells start at 0, so its window starts at 0 (the other row lands
+    after it, patch 0014, and is taken back before the next decode)."""
     m = embedded_model
     other = (_prompt(m, 12) * 30)[:300]
     mine = (_prompt(m, 12) * 4)[:38]
@@ -257,14 +258,12 @@ def test_a_decode_attends_past_other_sequences_cells_with_the_same_bits(embedded
             ctx.decode(b)
             out = []
             for k in range(8):
+                b.fill(mine[30 + k : 31 + k], 30 + k, seq=0, outputs="all")
                 if beside_cell_0:
-                    ctx.seq_rm(1, k, k + 1)  # frees cell k: the other row lands there
-                    b.fill(other[k : k + 1], 300 + k, seq=1, outputs="none")
-                    b.append(mine[30 + k : 31 + k], 30 + k, seq=0, outputs="all")
-                else:
-                    b.fill(mine[30 + k : 31 + k], 30 + k, seq=0, outputs="all")
+                    b.append(other[k : k + 1], 300, seq=1, outputs="none")
                 ctx.decode(b)
                 out.append(ctx.logits_rows(1).copy())
+                ctx.seq_rm(1, 300)
             return np.concatenate(out)
 
     assert np.array_equal(rows(False), rows(True))
