@@ -109,7 +109,7 @@ def test_speculation_equals_plain_decoding_there(tiny):
         out = {{}}
         for mode in ("none", "chain"):
             with Engine({str(tiny["embedded"])!r}, mode=mode, n_max=3, n_ctx=512, n_parallel=2,
-                        batch_invariant=True) as eng:
+                        batch_invariant=True, adaptive=False) as eng:
                 one = eng.generate(prompts[0], n_predict=48, temperature=0).text
                 both = [r.text for r in eng.generate_many(prompts, n_predict=48, temperature=0)]
                 out[mode] = [one, *both]
@@ -128,7 +128,8 @@ def test_the_mode_changes_nothing_where_rows_already_agree(tiny):
     m_path = tiny["embedded"]
     outs = {}
     for invariant in (False, True):
-        with Engine(m_path, mode="chain", n_max=3, n_ctx=512, n_parallel=2, batch_invariant=invariant) as eng:
+        with Engine(m_path, mode="chain", n_max=3, n_ctx=512, n_parallel=2, batch_invariant=invariant,
+                    adaptive=False) as eng:
             assert eng.target.batch_invariant == (8 if invariant else 0)
             outs[invariant] = [(r.text, r.stats.n_accepted) for r in
                                eng.generate_many(["def f(x):\n", "import re\n"], n_predict=40, temperature=0)]

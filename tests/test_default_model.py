@@ -146,9 +146,9 @@ def test_temp0_identical_across_modes_and_files(path, split):
     with Engine(path, mode="none", n_ctx=1024, n_threads=1) as eng:
         ref = [eng.generate(p, n_predict=64, temperature=0).tokens for p in prompts]
     for mode, n_max in (("single", 1), ("single", 3), ("chain", 2), ("chain", 3)):
-        with Engine(path, mode=mode, n_max=n_max, n_ctx=1024, n_threads=1) as eng:
+        with Engine(path, mode=mode, n_max=n_max, n_ctx=1024, n_threads=1, adaptive=False) as eng:
             outs[(mode, n_max)] = [eng.generate(p, n_predict=64, temperature=0).tokens for p in prompts]
-    with Engine(split["trunk"], mtp_model=split["mtp"], mode="chain", n_max=3, n_ctx=1024, n_threads=1) as eng:
+    with Engine(split["trunk"], mtp_model=split["mtp"], mode="chain", n_max=3, n_ctx=1024, n_threads=1, adaptive=False) as eng:
         outs["split"] = [eng.generate(p, n_predict=64, temperature=0).tokens for p in prompts]
     for key, got in outs.items():
         assert got == ref, key

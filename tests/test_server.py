@@ -136,8 +136,9 @@ def agree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(agree: Path, tmp_path_factory: pytest.TempPathFactory):
     # -t 1: the tests share a small machine; two spinning llama.cpp threads on a busy
     # core are far slower than one
+    # a fixed draft length: the tests compare its counts with the engine's
     srv = ServerProcess(["-m", str(agree), "--spec-type", "draft-mtp", "-c", str(N_CTX), "-np", "2", "-t", "1",
-                         "--api-key", KEY], tmp_path_factory.mktemp("server"))
+                         "--no-spec-adaptive", "--api-key", KEY], tmp_path_factory.mktemp("server"))
     try:
         srv.wait_ready()
         yield srv
@@ -154,7 +155,7 @@ def client(server: ServerProcess):
 @pytest.fixture(scope="module")
 def direct(agree: Path):
     """The engine called directly, with the server's settings, at temperature 0."""
-    with Engine(agree, mode="chain", n_ctx=N_CTX, n_threads=1) as eng:
+    with Engine(agree, mode="chain", n_ctx=N_CTX, n_threads=1, adaptive=False) as eng:
         out = eng.generate(PROMPT, n_predict=N, temperature=0)
         chat = eng.apply_chat_template([{"role": "user", "content": "hello"}])
         yield {"completion": out, "prompt_tokens": eng.tokenize(PROMPT), "chat_prompt": chat,

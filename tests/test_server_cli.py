@@ -169,7 +169,7 @@ def test_default_model_and_single_mode(tmp_path):
     from stepmtp.models import default_model_path
 
     srv = ServerProcess(["--spec-type", "draft-mtp", "--spec-mtp-mode", "single", "--spec-draft-n-max", "2",
-                         "-np", "3", "-t", "1"], tmp_path)
+                         "--spec-draft-n-min", "2", "-np", "3", "-t", "1"], tmp_path)
     try:
         srv.wait_ready()
         props = httpx.get(srv.url + "/props", timeout=30).json()

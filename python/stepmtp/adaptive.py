@@ -1,49 +1,51 @@
-"""Adaptive draft length: pick, each round, the number of drafts that maximises the
-expected accepted tokens per second.
+"""Draft lengths, chosen each round for every sequence of the round together.
 
-With per-depth acceptance estimates a_d (the chance draft d is accepted given drafts
-1..d-1 were) a round of n drafts emits E[n] = 1 + a_1 + a_1 a_2 + ... tokens. Its
-cost T[n] is measured, per length, as the wall time from one round's choice to the
-next: the draft steps, the verification, the heads catching up, and everything
-Python does around them (on a small model that overhead decides whether drafting
-pays at all, and a cost model of the decodes alone would miss it). The policy picks
-argmax E[n] / T[n] for n in 0..n_max; 0 means a plain decode this round. Every
-length is tried at the start (twice: a length's first round on an engine pays for
-llama.cpp setting that batch shape up); afterwards the lengths next to the best
-one are probed when they have not been tried for a while, so the estimates follow
-the text and the machine: after ``probe_every`` rounds, a gap that doubles each
-time a probe loses (up to ``max_probe_every``) and resets when one wins, so a
-length that never pays is almost never paid for. The gaps are the engine's: a new
-request does not start by probing what the ones before it found not to pay. A probe
-that drafts again after plain rounds runs a few rounds, since one draft says little.
+A round serves several sequences at once: each drafts n_s tokens, one target decode
+verifies all their rows, R = sum(n_s + 1), and draft step i is one decode of head i
+for every sequence that drafts that deep. What drafting earns is tokens: sequence s
+emits E_s(n) = 1 + a_1 + a_1 a_2 + ... (a_d: the chance its d-th draft is accepted
+given the ones before it were). What it costs is the *whole round's* time, so the
+plan maximises the round's tokens per second:
 
-The acceptance per depth is a sequence's own recent record, pulled towards the
-engine's long-run rate: the counts fade by ``accept_decay`` each *round*, drafted
-or not, and the engine's rate weighs as ``prior_weight`` drafts. So a few rejections
-in a row do not stop drafting (on the bench-size model a one-draft round pays above
-a first-draft acceptance of ~0.41, and the text's ~0.64 dips below that for a
-handful of rounds all the time; a plain moving average stopped drafting then, and
-with no drafts nothing told it to start again until the next probe, 32 rounds on);
-and while a sequence does not draft, its estimate drifts back to what drafting
-earns on this engine, so it resumes by itself where drafting pays. The engine's
-rate itself fades with rounds towards an optimistic prior (0.75): where nobody
-drafts, the evidence against drafting ages, and drafting is tried again now and
-then (on the random-weight model that costs under 1%; without it, a few unlucky
-drafts early in an engine's life could keep it from ever drafting).
+    sum_s E_s(n_s) / (T_verify(R) + sum_{i < max n_s} T_step(i))
 
-A drafting length in use is kept while its expected rate is within 3% of the best
-one's; plain rounds are left as soon as drafting looks better (they teach nothing
-about the acceptance).
+``RoundCosts`` learns both terms online, from the rounds themselves: the verify part
+(the target's decode of R rows, sampling them, the bookkeeping around it) by R, the
+draft steps by depth. Nothing assumes a CPU: where rows are nearly free (a GPU) the
+verify cost is flat in R and the plan drafts long; where each row costs (a CPU's
+experts) it drafts what pays. A row count not measured yet is read off the segment
+joining the nearest measured ones (flat when only one was: optimism makes it try);
+now and then a plan of one row more or one fewer runs instead (a probe), so the
+estimates next to the plan in use follow the machine.
 
-Plain floats, not numpy: this runs every round, and with n_max <= 3 numpy's
-per-call overhead would cost more than the arithmetic.
+Given the costs, the best plan is exact and cheap: for a fixed deepest step D the step
+costs are fixed, and each extra row r brings the next factor of some sequence's
+product a_1 a_2 .. a_d, which only shrinks with d; so the best plans of R rows take the
+largest such gains, in order, and the best plan is the best (D, R) of
+(n_max + 1) x (rows) candidates.
+
+Acceptance per depth (``SeqPolicy``) is a sequence's own recent record, pulled towards
+the engine's long-run rate *for the same sampling settings* (greedy, or the
+temperature: at temperature 1 a head's drafts are accepted far less than at 0); the
+engine's rate in turn fades towards an optimistic prior where nobody drafts. So a few
+rejections in a row do not stop drafting, and a sequence that stopped drafting
+starts again by itself when the engine's record says it pays: its first drafts then
+last a few rounds, one draft says little.
+
+Plain floats, not numpy: this runs every round, on a few numbers.
 """
 from __future__ import annotations
 
-import time
-from typing import Callable
+import math
+from typing import Sequence
 
-__all__ = ["AdaptiveLength", "RoundCosts"]
+__all__ = ["RoundCosts", "SeqPolicy", "DraftPlanner", "regime"]
+
+
+def regime(greedy: bool, temperature: float) -> float:
+    """The key of the acceptance a sampling setting gets: 0 for greedy, else the
+    temperature to a tenth."""
+    return 0.0 if greedy else max(0.1, round(temperature, 1))
 
 
 class _Record:
@@ -67,209 +69,360 @@ class _Record:
         self.acc[depth] = decay * self.acc[depth] + accepted
         self.judged[depth] = decay * self.judged[depth] + 1.0
 
-    def estimate(self, prior: list[float], weight: float) -> list[float]:
+    def estimate(self, prior: Sequence[float], weight: float) -> list[float]:
         """Per depth, the record with ``weight`` more drafts at the prior rate."""
         return [(a + weight * p) / (j + weight) for a, j, p in zip(self.acc, self.judged, prior)]
 
+    def chained(self, prior: float, weight: float) -> list[float]:
+        """Per depth, the record with ``weight`` more drafts at the rate of the depth
+        before it (the first depth: at ``prior``): a depth seldom drafted is taken to
+        be accepted as the one before it (a head's conditional acceptance varies
+        little with depth: 0.87 / 0.86 / 0.92 on the bench model), until its own
+        drafts say otherwise; a depth's rate learnt nowhere else would keep a plan
+        from ever drafting that deep."""
+        out, p = [], prior
+        for a, j in zip(self.acc, self.judged):
+            p = (a + weight * p) / (j + weight)
+            out.append(p)
+        return out
 
-class RoundCosts:
-    """What one engine's sequences share: seconds per round by draft length (the
-    machine's and the model's: a new request does not pay to measure them again),
-    and the long-run acceptance per depth, the prior of every sequence's estimate:
-    accepted and judged drafts fading by ``accept_decay`` per draft judged, plus
-    ``prior_weight`` drafts at ``prior_accept`` (so that the few drafts of an
-    engine's first rounds cannot settle it: three rejections there once made every
-    later sequence believe drafting never pays)."""
 
-    #: per round since a length was last timed, how much its old estimate still counts
+class _Timings:
+    """Seconds by key (rows of a verify, depth of a draft step): a plain mean over the
+    first samples, then a moving average; how much a value still counts fades with
+    the rounds since it was last measured. A key's first sample on an engine is not
+    taken: it pays for llama.cpp setting up that batch shape (seen: 2-3x a later one)."""
+
+    #: per round since a key was last measured, how much its estimate still counts
     STALE_DECAY = 0.98
 
-    def __init__(self, n_max: int, decay: float = 0.9, accept_decay: float = 0.99, prior_accept: float = 0.75,
-                 prior_weight: float = 2.0, round_decay: float = 0.995) -> None:
+    def __init__(self, decay: float) -> None:
         self.decay = decay
-        self.accept_decay = accept_decay
-        self.rounds = 0  # rounds of any sequence: the record also fades with them
-        self._prior = [prior_accept] * n_max
-        self.prior_weight = prior_weight
-        self.t_round: list[float | None] = [None] * (n_max + 1)
-        self._n = [0] * (n_max + 1)
-        self._seen = [0] * (n_max + 1)  # the round each length was last timed
-        self._record = _Record(n_max, round_decay)
-        self._warm = [False] * (n_max + 1)
-        self.gap: list[int] | None = None  # AdaptiveLength's probe gaps, shared
+        self.t: dict[int, float] = {}
+        self.n: dict[int, int] = {}
+        self.seen: dict[int, int] = {}
+        self.warm: set[int] = set()
 
-    def observe(self, n: int, seconds: float) -> None:
-        if not self._warm[n]:
-            # a length's first round on this engine pays for llama.cpp setting up
-            # that batch shape (seen: 2-3x a later round's time): not its cost
-            self._warm[n] = True
+    def observe(self, key: int, seconds: float, rnd: int) -> None:
+        if key not in self.warm:
+            self.warm.add(key)
             return
-        # a plain mean over the first rounds, then a moving average (the first samples
-        # do not linger); a length not run for a while (a probe) weighs more: its
-        # estimate is stale, and the machine's load may have changed since
-        self._n[n] += 1
-        stale = self.rounds - self._seen[n]
-        self._seen[n] = self.rounds
-        w = max(1.0 / self._n[n], 1.0 - self.decay, 1.0 - self.STALE_DECAY ** stale)
-        v = self.t_round[n]
-        self.t_round[n] = seconds if v is None else (1 - w) * v + w * seconds
+        n = self.n.get(key, 0) + 1
+        self.n[key] = n
+        # a value not measured for a while (the load may have changed) is mostly replaced
+        stale = rnd - self.seen.get(key, rnd)
+        w = max(1.0 / n, 1.0 - self.decay, 1.0 - self.STALE_DECAY ** stale)
+        v = self.t.get(key)
+        if v is not None:
+            # a round the process was preempted in (a busy machine: seen 100x) says
+            # nothing of the shape: no sample moves the estimate by more than 3x
+            seconds = min(max(seconds, v / 3), 3 * v)
+        self.t[key] = seconds if v is None else (1 - w) * v + w * seconds
+        self.seen[key] = rnd
 
-    def observe_accept(self, depth: int, accepted: bool) -> None:
-        self._record.fade_to(self.rounds)
-        self._record.add(depth, accepted, self.accept_decay)
+    def weight(self, key: int, rnd: int) -> float:
+        """How much the key's own estimate counts: its samples (up to 8), faded by age."""
+        if key not in self.t:
+            return 0.0
+        return min(self.n[key], 8) * self.STALE_DECAY ** (rnd - self.seen[key])
+
+
+class RoundCosts:
+    """What a round costs on this engine, by what it carries (see the module): the
+    verify part by its rows, each draft step by its depth. Shared by every sequence
+    and every request of an engine: the machine's and the model's, not the text's."""
+
+    def __init__(self, n_draft: int, decay: float = 0.9) -> None:
+        self.n_draft = n_draft
+        self.rounds = 0
+        self.verify_t = _Timings(decay)
+        self.step_t = _Timings(decay)
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self.verify_t.observe(rows, seconds, self.rounds)
+
+    def observe_step(self, depth: int, seconds: float) -> None:
+        self.step_t.observe(depth, seconds, self.rounds)
 
     @property
-    def accept(self) -> list[float]:
-        """The long-run acceptance per depth."""
-        self._record.fade_to(self.rounds)
-        return self._record.estimate(self._prior, self.prior_weight)
+    def known(self) -> bool:
+        """Whether plans can be costed: a verify timed at two row counts, a draft step."""
+        return len(self.verify_t.t) >= 2 and bool(self.step_t.t)
+
+    def verify(self, rows: int) -> float:
+        """Seconds of the verify part of a round of ``rows`` rows: its own estimate, or
+        read off the measured row counts (between two: on the segment joining them;
+        beyond them: on the nearest segment, never falling; one alone: flat)."""
+        T = self.verify_t.t
+        if rows in T:
+            return T[rows]
+        if not T:
+            return 1e-9
+        below = [r for r in T if r < rows]
+        above = [r for r in T if r > rows]
+        if below and above:
+            a, b = max(below), min(above)
+        else:
+            near = sorted(T, key=lambda r: abs(r - rows))[:2]
+            if len(near) < 2:
+                return T[near[0]]
+            a, b = sorted(near)
+        slope = max(0.0, (T[b] - T[a]) / (b - a))
+        return max(T[a] + slope * (rows - a), 1e-9)
+
+    def step(self, depth: int) -> float:
+        """Seconds of draft step ``depth``; an unmeasured depth as the deepest measured."""
+        T = self.step_t.t
+        if depth in T:
+            return T[depth]
+        known = [T[d] for d in sorted(T) if d < depth]
+        return known[-1] if known else 0.0
 
 
-class AdaptiveLength:
-    """Per-sequence draft-length policy (acceptance depends on the text; the costs
-    are the machine's but cheap to learn again). ``clock``: seconds, for tests."""
+class SeqPolicy:
+    """One sequence's side of the plan: its acceptance per depth (its recent record
+    pulled towards the engine's long-run rate for its sampling regime), and the rounds
+    it still drafts after starting again (a first draft after a pause says little)."""
 
-    #: a drafting length in use stays while its expected rate is within this share of the best
-    HYSTERESIS = 0.97
-    #: a probe that drafts again after plain rounds runs this many rounds: one draft
-    #: says little about the acceptance (a sequence that stopped drafting learns only
-    #: from its probes)
-    PROBE_ROUNDS = 4
+    #: a sequence that starts drafting again drafts at least this many rounds
+    HOLD_ROUNDS = 4
 
-    def __init__(self, n_max: int, *, decay: float = 0.9, accept_decay: float = 0.97, prior_weight: float = 4.0,
-                 probe_every: int = 32, max_probe_every: int = 1024,
-                 costs: RoundCosts | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.n_max = n_max
+    def __init__(self, planner: "DraftPlanner", key: float, n_min: int = 0, decay: float = 0.97,
+                 prior_weight: float = 4.0) -> None:
+        self.planner = planner
+        self.key = key
+        self.n_min = max(1, n_min)
         self.prior_weight = prior_weight
-        self.probe_every = probe_every
-        self.max_probe_every = max(probe_every, max_probe_every)
-        self._probe: int | None = None  # the length the last round probed
-        self._probe_left = 0  # rounds the probe still runs
-        self.clock = clock
-        self.costs = costs or RoundCosts(n_max, decay)
-        # rounds until a length is probed again: the engine's, so that a new sequence
-        # does not start by probing what others found not to pay
-        if self.costs.gap is None:
-            self.costs.gap = [probe_every] * (n_max + 1)
-        self.gap = self.costs.gap
-        # this sequence's drafts, fading per round (see the module)
-        self._record = _Record(n_max, accept_decay)
-        # a length whose cost the engine knows counts as just tried: a new sequence
-        # starts from the shared estimates instead of probing at once
-        self.last_tried = [0 if t is not None else -(10**9) for t in self.costs.t_round]
-        self.round = 0
-        self._t_start: float | None = None
-        self._drafted: int | None = None  # the length the last round really drafted
-        self._steady = True
-        self._best: int | None = None
-        self._recheck = 0
+        self.record = _Record(planner.n_draft, decay)
+        self.engine = planner.record_for(key)
+        self.hold = 0
+        self.last = 0  # drafts planned last round
+        self.rounds = 0
 
-    @property
-    def t_round(self) -> list[float | None]:
-        return self.costs.t_round
+    #: how optimistic a depth's estimate is, in standard errors of the engine's record
+    #: there: a depth seldom drafted gets tried, and its estimate sharpens (a few unlucky
+    #: drafts of an engine's first rounds otherwise kept a depth that pays from ever
+    #: being drafted again)
+    OPTIMISM = 0.5
 
     @property
     def accept(self) -> list[float]:
-        """The acceptance estimate per depth: this sequence's recent record, pulled
-        towards the engine's long-run rate."""
-        self._record.fade_to(self.round)
-        return self._record.estimate(self.costs.accept, self.prior_weight)
+        self.record.fade_to(self.rounds)
+        eng = self.engine.estimate(self.planner.rounds)
+        est = self.record.estimate(eng, self.prior_weight)
+        return [min(1.0, a + self.OPTIMISM * math.sqrt(a * (1.0 - a) / (j + 1.0)))
+                for a, j in zip(est, self.engine.rec.judged)]
 
-    def expected_tokens(self, n: int, accept: list[float] | None = None) -> float:
-        accept = self.accept if accept is None else accept
-        total, p = 1.0, 1.0
-        for d in range(n):
-            p *= accept[d]
-            total += p
-        return total
-
-    def expected_rate(self, n: int, accept: list[float] | None = None) -> float | None:
-        """Expected tokens per second of a round drafting n tokens (None: not measured)."""
-        t = self.t_round[n]
-        if t is None:
-            return None
-        return self.expected_tokens(n, accept) / t if t > 0 else float("inf")
-
-    def choose(self) -> int:
-        """The draft length for this round (also closes the timing of the last one)."""
-        now = self.clock()
-        last, steady = self._drafted, self._steady
-        if self._t_start is not None and last is not None and steady:
-            self.costs.observe(last, now - self._t_start)
-        self._t_start, self._drafted = now, None
-        self.round += 1
-        self.costs.rounds += 1
-        if self._probe_left:
-            self._probe_left -= 1
-            return self._pick(self._probe)
-        # plain rounds in a row change nothing but the cost of a plain round: the
-        # rates are looked at again every few rounds (on a small model this runs
-        # once per token, and its arithmetic would be a visible share of it)
-        if last or self._best is None or self.round >= self._recheck:
-            n = self._to_measure(last, steady)
-            if n is not None:
-                return self._pick(n)
-            self._decide()
-        best = self._best
-        # probe the neighbours of the best length only: a probe pays the heads' catch-up
-        # on the rows they skipped, and a longer round only pays if a shorter one does
-        for n in (best - 1, best + 1):
-            if 0 <= n <= self.n_max and self.round - self.last_tried[n] > self.gap[n]:
-                self._probe = n
-                if best == 0:
-                    # drafting again after a pause: the acceptance is what is in doubt
-                    self._probe_left = self.PROBE_ROUNDS - 1
-                return self._pick(n)
-        return self._pick(best)
-
-    def _to_measure(self, last: int | None, steady: bool) -> int | None:
-        """A length to run for its timing: one never measured (longest first), or
-        the probe just made, if it was not timed."""
-        for n in range(self.n_max, -1, -1):
-            if self.t_round[n] is None:
-                return n
-        if self._probe is not None and not steady and last == self._probe:
-            # the probe paid for catching the heads up, so it was not timed: once more,
-            # now that they are up to date, to learn what a round of that length costs
-            return self._probe
-        return None
-
-    def _decide(self) -> None:
-        """The best length from the estimates (every length has been timed)."""
-        lengths = range(self.n_max + 1)
-        accept = self.accept
-        rates = [self.expected_rate(n, accept) for n in lengths]
-        best = max(lengths, key=lambda n: rates[n])
-        cur = self._best
-        if cur and rates[cur] >= self.HYSTERESIS * rates[best]:
-            # within the estimates' noise a drafting length stays: switching has a
-            # price (heads left behind catch up later), and plain rounds teach nothing
-            # about the acceptance
-            best = cur
-        if self._probe is not None:
-            # the last round was a probe: back off if that length still loses
-            n = self._probe
-            self.gap[n] = self.probe_every if n == best else min(2 * self.gap[n], self.max_probe_every)
-            self._probe = None
-        self._best, self._recheck = best, self.round + 8
-
-    def _pick(self, n: int) -> int:
-        self.last_tried[n] = self.round
-        return n
-
-    def observe(self, n_drafted: int, n_accepted: int, steady: bool = True) -> None:
-        """What the round did: drafts, accepted drafts (fewer drafts than chosen when
-        p-min stopped early; the round is timed as the length it really had).
-        ``steady``: the heads were up to date before it; a round that first caught
-        them up on many skipped rows is not timed (that is the price of switching
-        drafting back on, paid once, not the cost of a round of that length)."""
-        self._record.fade_to(self.round)
-        for d in range(min(n_drafted, self.n_max)):
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        """What the round did: drafts, and how many of them were accepted."""
+        self.record.fade_to(self.rounds)
+        for d in range(min(n_drafted, self.planner.n_draft)):
             ok = d < n_accepted
-            self._record.add(d, ok)
-            self.costs.observe_accept(d, ok)
+            self.record.add(d, ok)
+            self.engine.add(d, ok, self.planner.rounds)
             if not ok:
                 break  # later drafts were never judged
-        self._steady = steady
-        self._drafted = min(n_drafted, self.n_max)
-        self.last_tried[self._drafted] = self.round
+
+
+class _EngineRecord:
+    """The long-run acceptance per depth of one sampling regime: accepted and judged
+    drafts fading per draft judged and per round, plus ``weight`` drafts at an
+    optimistic prior (a few unlucky drafts early on must not settle it, and where
+    nobody drafts the evidence against drafting ages)."""
+
+    def __init__(self, n_max: int, prior: float = 0.75, weight: float = 2.0, decay: float = 0.99,
+                 round_decay: float = 0.999) -> None:
+        self.decay = decay
+        self.prior = prior
+        self.weight = weight
+        self.rec = _Record(n_max, round_decay)
+
+    def add(self, depth: int, ok: bool, rnd: int) -> None:
+        self.rec.fade_to(rnd)
+        self.rec.add(depth, ok, self.decay)
+
+    def estimate(self, rnd: int) -> list[float]:
+        self.rec.fade_to(rnd)
+        return self.rec.chained(self.prior, self.weight)
+
+
+class DraftPlanner:
+    """The engine's draft-length policy (see the module). ``plan`` gives each sequence
+    of a round its draft length; ``costs`` learns what rounds cost; probes try the
+    plans of one row more and one row fewer now and then (every ``probe_every`` rounds,
+    the gap doubling up to ``max_probe_every`` while probes lose), so the estimates
+    follow the machine."""
+
+    #: a plan in use is kept while its expected rate is within this share of the best
+    HYSTERESIS = 0.97
+
+    def __init__(self, n_draft: int, *, probe_every: int = 32, max_probe_every: int = 1024,
+                 costs: RoundCosts | None = None) -> None:
+        self.n_draft = n_draft
+        self.costs = costs or RoundCosts(n_draft)
+        self.probe_every = probe_every
+        self.max_probe_every = max(probe_every, max_probe_every)
+        self.gap = probe_every
+        self._next_probe = probe_every
+        self._probe: int | None = None  # the rows the last probe planned
+        self._probe_again: tuple[int, int] | None = None  # a probe to repeat next round
+        self._records: dict[float, _EngineRecord] = {}
+        self._last: tuple[int, int] | None = None  # (sequences, rows) of the last plan
+        self._explored = 0  # rounds drafted to time the draft steps (an engine's first rounds)
+
+    @property
+    def rounds(self) -> int:
+        return self.costs.rounds
+
+    def record_for(self, key: float) -> _EngineRecord:
+        r = self._records.get(key)
+        if r is None:
+            r = self._records[key] = _EngineRecord(self.n_draft)
+        return r
+
+    def policy(self, key: float, n_min: int = 0) -> SeqPolicy:
+        return SeqPolicy(self, key, n_min)
+
+    # -- the plan --------------------------------------------------------------------
+
+    def plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
+        """Draft lengths for this round's sequences (``caps``: the most each may draft)."""
+        self.costs.rounds += 1
+        for p in seqs:
+            p.rounds += 1
+        if not self.costs.known:
+            out = self._explore_plan(seqs, caps)
+        else:
+            out = self._best_plan(seqs, caps)
+        for p, n in zip(seqs, out):
+            if n and not p.last:
+                p.hold = SeqPolicy.HOLD_ROUNDS - 1
+            elif p.hold:
+                p.hold -= 1
+            p.last = n
+        return out
+
+    #: rounds an engine drafts at first to time its draft steps, at most
+    EXPLORE_DRAFTING = 8
+
+    def _explore_plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
+        """Before the costs are known: every sequence drafts the most until each draft
+        step was timed (a shape's first round is not, nor one where a head first
+        caught up on a prompt), then none until a second row count was."""
+        if len(self.costs.step_t.t) < self.n_draft and self._explored < self.EXPLORE_DRAFTING:
+            self._explored += 1
+            n = self.n_draft
+        else:
+            n = 0
+        return [min(n, c) if c >= p.n_min else 0 for p, c in zip(seqs, caps)]
+
+    def _best_plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
+        costs = self.costs
+        N = len(seqs)
+        accepts = [p.accept for p in seqs]
+        best: tuple[float, int, int] | None = None  # (rate, D, rows)
+        options: dict[tuple[int, int], tuple[float, list[int]]] = {}
+        step_sum = 0.0
+        for D in range(self.n_draft + 1):
+            if D:
+                step_sum += costs.step(D - 1)
+            forced, gains = self._gains(seqs, caps, accepts, D)
+            if forced is None:
+                continue
+            n = list(forced)
+            tokens = N + sum(sum(g for g, _ in chain[:k]) for chain, k in zip(gains, forced))
+            rows = N + sum(forced)
+            # the next gains in order: largest first across sequences (each sequence's
+            # gains shrink with depth, so taking them in order keeps each one a prefix)
+            heads = [(chain[k][0], s) for s, (chain, k) in enumerate(zip(gains, forced)) if k < len(chain)]
+            while True:
+                rate = tokens / (costs.verify(rows) + step_sum)
+                options[(D, rows)] = (rate, list(n))
+                if best is None or rate > best[0]:
+                    best = (rate, D, rows)
+                if not heads:
+                    break
+                g, s = max(heads)
+                heads.remove((g, s))
+                k = n[s]
+                step = max(1, seqs[s].n_min - k) if k == 0 else 1
+                for j in range(k, min(k + step, len(gains[s]))):
+                    tokens += gains[s][j][0]
+                rows += min(step, len(gains[s]) - k)
+                n[s] = min(k + step, len(gains[s]))
+                if n[s] < len(gains[s]):
+                    heads.append((gains[s][n[s]][0], s))
+        if best is None:
+            return [0] * N
+        _, D, rows = best
+        # hysteresis: the rows planned last round stay while they are within a few
+        # percent (switching is not free: heads left behind catch up later)
+        if self._last is not None and self._last[0] == N:
+            keep = [(o[0], k) for k, o in options.items() if k[1] == self._last[1]]
+            if keep:
+                r, k = max(keep)
+                if r >= self.HYSTERESIS * best[0]:
+                    D, rows = k
+        chosen = (D, rows)
+        if self._probe_again is not None:
+            # a probe of a row count never decoded before: its first round only warmed it up
+            chosen, self._probe_again = self._probe_again, None
+            if chosen not in options:
+                chosen = (D, rows)
+        elif self.rounds >= self._next_probe:
+            chosen = self._probe_plan(options, chosen)
+            if chosen[1] not in self.costs.verify_t.warm:
+                self._probe_again = chosen
+        elif self._probe is not None and not any(p.hold for p in seqs):
+            # the first round after a probe (and the drafting it started): did it win?
+            self.gap = self.probe_every if rows == self._probe else min(2 * self.gap, self.max_probe_every)
+            self._probe = None
+        self._last = (N, chosen[1])
+        return options[chosen][1]
+
+    def _probe_plan(self, options: dict[tuple[int, int], tuple[float, list[int]]],
+                    chosen: tuple[int, int]) -> tuple[int, int]:
+        """One row more or one fewer than the chosen plan (the one whose own estimate
+        is the oldest), at the best depth for it."""
+        self._next_probe = self.rounds + self.gap
+        rows = chosen[1]
+        cands = [r for r in (rows - 1, rows + 1) if any(k[1] == r for k in options)]
+        if not cands:
+            return chosen
+        T = self.costs.verify_t
+        r = min(cands, key=lambda x: T.weight(x, self.rounds))
+        self._probe = r
+        return max((k for k in options if k[1] == r), key=lambda k: options[k][0])
+
+    @staticmethod
+    def _gains(seqs: Sequence[SeqPolicy], caps: Sequence[int], accepts: Sequence[list[float]],
+               D: int) -> tuple[list[int] | None, list[list[tuple[float, int]]]]:
+        """Per sequence, what each draft up to depth D adds to its expected tokens
+        (a_1, a_1 a_2, ...), and the drafts it must make (a sequence that started
+        drafting again holds on); None when no plan of depth D exists."""
+        forced: list[int] = []
+        gains: list[list[tuple[float, int]]] = []
+        for p, cap, acc in zip(seqs, caps, accepts):
+            m = min(cap, D)
+            if m < p.n_min:
+                m = 0
+            chain, g = [], 1.0
+            for d in range(m):
+                g *= acc[d]
+                chain.append((g, d))
+            gains.append(chain)
+            if p.hold and cap >= p.n_min and not m:
+                return None, gains  # it must draft: a plan this shallow cannot have it
+            forced.append(min(p.n_min, m) if p.hold else 0)
+        return forced, gains
+
+    # -- what rounds cost --------------------------------------------------------------
+
+    def observe_round(self, rows: int, verify_s: float, steps_s: Sequence[float | None]) -> None:
+        """A round's timings: its verify part (``rows`` rows) and each draft step
+        (None: not timed, e.g. a head caught up on rows it had skipped)."""
+        if rows > 0 and math.isfinite(verify_s):
+            self.costs.observe_verify(rows, verify_s)
+        for i, t in enumerate(steps_s):
+            if t is not None:
+                self.costs.observe_step(i, t)

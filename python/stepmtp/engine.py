@@ -82,7 +82,7 @@ class Engine:
         p_min: float = 0.0,
         schedule: Schedule = "fused",
         verify: Verify = "auto",
-        adaptive: bool = False,
+        adaptive: bool = True,
         spec: SpecConfig | None = None,
         n_ctx: int = 4096,
         n_batch: int = 2048,

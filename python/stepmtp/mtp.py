@@ -76,10 +76,10 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from .adaptive import AdaptiveLength, RoundCosts
+from .adaptive import DraftPlanner, SeqPolicy, regime
 from .llama import Batch, Context, KVFullError, LlamaError
 from .prompt_cache import Checkpoint, HostPromptCache, SlotState, heads_path, read_heads, write_heads
-from .sampling import Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
+from .sampling import DraftShaper, Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
 
 if TYPE_CHECKING:
@@ -107,8 +107,11 @@ class SpecConfig:
         them), ``rejection`` (drafts drawn from the heads' distributions, accepted
         with probability min(1, p/q), residual resampling), or ``auto``: rejection
         above temperature 0. At temperature 0 both are greedy exact match.
-    adaptive: choose the draft length each round (0 .. the draft length above) from
-        measured acceptance and decode costs (``adaptive.AdaptiveLength``).
+    adaptive: choose each sequence's draft length every round, between the bounds
+        above (0 or n_min .. n_max), from the acceptance it sees under its own sampling
+        settings and what rounds cost on this machine (``adaptive.DraftPlanner``); on by
+        default. With n_min >= the draft length, or adaptive off, every round drafts
+        the draft length.
     """
 
     mode: Mode = "chain"
@@ -117,7 +120,7 @@ class SpecConfig:
     p_min: float = 0.0
     schedule: Schedule = "fused"
     verify: Verify = "auto"
-    adaptive: bool = False
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "single", "none"):
@@ -190,8 +193,8 @@ class SeqState:
     stats: GenStats = field(default_factory=GenStats)
     #: verify by rejection sampling (drafts drawn from the heads' distributions)
     rejection: bool = False
-    #: adaptive draft length (SpecConfig.adaptive): chooses n for each round
-    policy: AdaptiveLength | None = None
+    #: adaptive draft length (SpecConfig.adaptive): its side of the round's plan
+    policy: SeqPolicy | None = None
     #: fused schedule: head k is anchored on positions [0, kv_valid[k]); it holds cells
     #: up to kv_end[k] (exclusive): past kv_valid, the chained rows it last drafted from
     kv_valid: list[int] = field(default_factory=list)
@@ -222,9 +225,11 @@ class SeqState:
     probs: list[float] = field(default_factory=list)
     chain_h: np.ndarray | None = None
     q: np.ndarray | None = None
+    #: rejection sampling: the heads' distributions after the request's sampling chain,
+    #: which q (what drafts are drawn from) is shaped from, and who shapes them
+    q0: np.ndarray | None = None
+    shaper: DraftShaper | None = None
     row: int = -1
-    #: adaptive length: the heads to be used were up to date when the round began
-    steady: bool = True
     #: token probabilities to report (llama-server's n_probs; post: after the sampling
     #: chain): one TokenProbs per token sampled, in order, drafts accepted included
     n_probs: int = 0
@@ -388,8 +393,11 @@ class MTPDriver:
             d.set_nextn(True, masked=True)
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
         self._need_p = spec.p_min > 0 or debug
-        # adaptive length: the cost of a round of each length, shared by the sequences
-        self._costs = RoundCosts(self.n_draft)
+        # the draft length of each sequence, chosen each round (None: always n_draft)
+        self.planner = DraftPlanner(self.n_draft) if spec.adaptive and self.speculate and \
+            spec.n_min < self.n_draft else None
+        # rejection sampling: what drafts are drawn from, learned per sampling regime
+        self._shapers: dict[float, DraftShaper] = {}
         #: per slot: what its KV holds since its last sequence ended (prompt caching)
         self.cache: list[_Cache | None] = [None] * n_seq
         self._clock = itertools.count(1)
@@ -485,13 +493,20 @@ class MTPDriver:
         s.pos, s.id_last = 0, -1
         s.pending_h = self._zero_h[0]
         s.stats.n_prompt_cached = s.n_prefilled
-        s.policy = (AdaptiveLength(self.n_draft, costs=self._costs) if self.spec.adaptive and self.speculate
-                    else None)
+        s.policy = None if self.planner is None else \
+            self.planner.policy(regime(s.sampler.greedy, s.sampler.params.temperature), self.spec.n_min)
         s.h_log = {} if self.debug else None
         s.trace = [] if self.debug else None
         s.chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
         s.probs = [0.0] * max(1, self.n_draft)
-        s.q = np.zeros((max(1, self.n_draft), self.target.n_vocab)) if s.rejection and self.speculate else None
+        s.q = s.q0 = s.shaper = None
+        if s.rejection and self.speculate:
+            s.q = np.zeros((max(1, self.n_draft), self.target.n_vocab))
+            if self.spec.adaptive:
+                # learned, like the lengths: a fixed setting keeps a seed's text reproducible
+                s.q0 = np.zeros_like(s.q)
+                key = regime(s.sampler.greedy, s.sampler.params.temperature)
+                s.shaper = self._shapers.setdefault(key, DraftShaper(self.n_draft))
         if s.constraint is not None and s.mask_drafts and self.speculate:
             s.draft_bits = np.zeros((max(1, self.n_draft), s.constraint.vocab.n_words), dtype=np.int32)
         if self.fused and self.speculate:
@@ -739,40 +754,47 @@ class MTPDriver:
         ``seqs``; returns, per sequence, the tokens it emits (the accepted drafts and
         the target's own next token), or the KVFullError of a sequence that found no
         room in a shared KV cache (the others go on)."""
+        t0 = time.perf_counter()
         for s in seqs:
             if self.debug and self.speculate:
                 self._check_invariant(s)
             room = self.n_ctx_seq - 1 - s.pos  # positions left after id_last
             s.n_plan = min(self.n_draft, room)
-            if s.policy is not None:
-                s.n_plan = min(s.n_plan, s.policy.choose())
-                # heads that skipped rounds catch up in this one: not a steady round (a
-                # plain round catches nothing up: always steady)
-                s.steady = True
-                if self.fused and s.n_plan:
-                    s.steady = min(s.kv_valid[k] for k in self.heads[: s.n_plan]) >= s.pos - self.n_draft
-                    self._bound_catch_up(s)
             s.drafts = []
             s.n_masked = 0
             if s.constraint is not None:
                 s.constraint.begin_round()
+        planned = [s for s in seqs if s.policy is not None]
+        if planned:
+            for s, n in zip(planned, self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])):
+                s.n_plan = n
+                if self.fused and n:
+                    self._bound_catch_up(s)
+        steps: list[float | None] = []
+        t1 = time.perf_counter()
         if self.speculate:
-            if self.fused:
-                self._draft_fused(seqs)
-            else:
-                self._draft(seqs)
+            steps = self._draft_fused(seqs) if self.fused else self._draft(seqs)
 
+        t2 = time.perf_counter()
+        timed = True
         while True:
             try:
-                return self._verify(seqs)
+                outs = self._verify(seqs)
             except KVFullError:
                 # idle slots' cached prefixes give way first (least recently used), then
                 # the drafts: speculation must not fail what plain decoding would serve
+                timed = False
                 if self.evict_lru() or self._drop_drafts(seqs):
                     continue
                 if len(seqs) == 1:
                     raise
                 break
+            if planned and timed:
+                # the round's cost as the plan counts it: the verify part by its rows
+                # (every sequence's), each draft step by its depth
+                rows = sum(len(s.drafts) + 1 for s in seqs)
+                self.planner.observe_round(rows, time.perf_counter() - t2 + (t1 - t0), steps)
+            return outs
         # a shared cache without room for every sequence's rows (llama.cpp decoded
         # nothing of the failed batch): each verifies alone, the one holding the most
         # cells first; one that still finds no room fails, and its cells go at once to
@@ -845,6 +867,9 @@ class MTPDriver:
                 return p_rows[i]
 
             out = verify_rejection(s.sampler, p_row, drafts, s.q[:n])
+            if s.shaper is not None:
+                for i in range(min(len(out), n)):  # the draft rows whose p was computed
+                    s.shaper.observe(i, p_rows[i], s.q0[i])
             if c is not None:
                 c.rollback(advanced)
                 c.advance_many(out)
@@ -879,7 +904,7 @@ class MTPDriver:
             self.target.seq_rm(s.seq_id, s.pos)  # the rejected drafts' KV
         s.stats.count_round(n, a)
         if s.policy is not None:
-            s.policy.observe(n, a, s.steady)
+            s.policy.observe(n, a)
         if s.trace is not None:
             cells = [(d.seq_pos_min(s.seq_id), d.seq_pos_max(s.seq_id)) if d is not None else (-1, -1)
                      for d in self.drafts]
@@ -910,14 +935,16 @@ class MTPDriver:
 
     # -- the change's schedule ---------------------------------------------------
 
-    def _draft(self, seqs: list[SeqState]) -> None:
+    def _draft(self, seqs: list[SeqState]) -> list[float | None]:
         """Up to n_plan draft tokens per sequence from the heads (chained, or head 0
-        looped)."""
+        looped); the seconds each step took."""
         b = self.dbatch
+        steps: list[float | None] = []
         for i in range(self.n_draft):
             active = self._drafting(seqs, i)
             if not active:
                 break
+            t0 = time.perf_counter()
             b.clear()
             # chain: head i has no KV past r, it decodes the whole prefix with the
             # previous heads' output rows as its hidden inputs; single: head 0 starts,
@@ -935,10 +962,12 @@ class MTPDriver:
                 self._grow_single(active, i)
             if not self._decode_step(d, active, i):
                 break
+            steps.append(time.perf_counter() - t0)
         for s in seqs:
             for k in self.heads:
                 self.drafts[k].seq_rm(s.seq_id, s.pos)
         self._end_drafts(seqs)
+        return steps
 
     def _process(self, items: list[tuple[SeqState, list[int], int, np.ndarray]]) -> None:
         """Teacher-force every head on each item's ``tokens`` at p0.. with the trunk
@@ -965,18 +994,22 @@ class MTPDriver:
 
     # -- the fused schedule --------------------------------------------------------
 
-    def _draft_fused(self, seqs: list[SeqState]) -> None:
+    def _draft_fused(self, seqs: list[SeqState]) -> list[float | None]:
         """Draft with one decode per head used, each carrying, per sequence, the
         anchored rows the head has not seen (through id_last@r) and then the chained
-        prefix."""
+        prefix; the seconds each step took (None: a step that first caught a head up
+        on the rows of rounds it sat out, not what a step costs)."""
         b = self.dbatch
+        steps: list[float | None] = []
         for i in range(self.n_draft):
             active = self._drafting(seqs, i)
             if not active:
                 break
+            t0 = time.perf_counter()
             k = i if self.spec.mode == "chain" else 0
             d = self.drafts[k]
             head_step = self.spec.mode == "chain" or i == 0
+            behind = head_step and any(s.pos - s.kv_valid[k] > 2 * (self.n_draft + 1) for s in active)
             if head_step:
                 for s in active:
                     # rows [kv_valid[k], r]: anchored; the last one is id_last@r with pending_h
@@ -1003,9 +1036,11 @@ class MTPDriver:
                 for s, valid, end in before:  # nothing of the batch was decoded
                     s.kv_valid[k], s.kv_end[k] = valid, end
                 break
+            steps.append(None if behind else time.perf_counter() - t0)
         for s in seqs:
             s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
         self._end_drafts(seqs)
+        return steps
 
     #: adaptive length: the most rows a head catches up on when drafting resumes
     MAX_CATCH_UP = 256
@@ -1102,10 +1137,14 @@ class MTPDriver:
             s.n_masked = i + 1
             logits = _masked(s, logits, i)
         if s.rejection:
-            # drawn from the head's distribution under the request's settings; q kept
-            # for verification
+            # drawn from the head's distribution under the request's settings, shaped
+            # to be accepted more (DraftShaper); q kept for verification
             q = s.q[i]
-            q[:] = s.sampler.dense(logits, s.tokens, s.drafts)
+            if s.shaper is None:
+                q[:] = s.sampler.dense(logits, s.tokens, s.drafts)
+            else:
+                s.q0[i] = s.sampler.dense(logits, s.tokens, s.drafts)
+                s.shaper.shape(s.q0[i], i, q)
             tok = s.sampler.draw(q)
             return tok, float(q[tok]), h
         if self._need_p:

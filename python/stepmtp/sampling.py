@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "TokenProbs", "draft_pick", "verify_rejection", "raw_probs",
+__all__ = ["SamplingParams", "Sampler", "TokenProbs", "DraftShaper", "draft_pick", "verify_rejection", "raw_probs",
            "DEFAULT_SAMPLERS", "parse_samplers"]
 
 DRAFT_TOP_K = 10
@@ -157,6 +157,11 @@ class Sampler:
     def penalizes(self) -> bool:
         """Whether the history changes the distribution (repetition penalties)."""
         return self._penalize
+
+    @property
+    def greedy(self) -> bool:
+        """Whether every row is sampled by its argmax (``SamplingParams.greedy``)."""
+        return self._greedy
 
     def _sync(self, history: Sequence[int], n_vocab: int) -> np.ndarray:
         """The long window's counts, brought up to ``history``'s end."""
@@ -411,6 +416,78 @@ def verify_rejection(sampler: Sampler, p_row: Callable[[int], np.ndarray], draft
         return out
     out.append(sampler.draw(p_row(n)))
     return out
+
+
+class DraftShaper:
+    """Which distribution to draw a draft from, per draft depth, for rejection sampling.
+
+    Verification accepts a draft drawn from q with probability min(1, p/q), which
+    accepts on average sum_x min(p(x), q(x)): the closer q is to the target's p, the
+    more. Any q drawn up front keeps the output exactly p's, so q may be chosen among
+    transforms of the head's distribution (after the request's sampling chain, ``q0``):
+    its powers q0^k, renormalised (k = 1: q0 itself; k > 1 sharper, as a head less sure
+    than the target wants; k < 1 flatter; k = inf: its most likely token alone). For
+    every verified draft row the target's p is at hand, so each candidate's acceptance
+    on that row, sum_x min(p(x), q0^k(x)), is computed exactly, not only the one drawn
+    from; the depth's candidate with the best running mean is used. The choice depends
+    on past rows only, never on the row being verified, so the output stays exactly
+    the target's distribution.
+    """
+
+    #: the candidate powers (inf: the head's argmax alone, drafted with probability 1)
+    POWERS = (0.7, 0.85, 1.0, 1.25, 1.5, 2.0, 3.0, float("inf"))
+    #: per row observed, how much a depth's running means still count
+    DECAY = 0.99
+
+    def __init__(self, n_depth: int) -> None:
+        self.score = np.zeros((max(1, n_depth), len(self.POWERS)))
+        self.seen = np.zeros(max(1, n_depth))
+        self.choice = [self.POWERS.index(1.0)] * max(1, n_depth)
+
+    def power(self, depth: int) -> float:
+        return self.POWERS[self.choice[min(depth, len(self.choice) - 1)]]
+
+    def shape(self, q0: np.ndarray, depth: int, out: np.ndarray) -> None:
+        """``out`` <- the distribution to draft depth ``depth`` from, given the head's ``q0``."""
+        k = self.power(depth)
+        if k == 1.0:
+            out[:] = q0
+            return
+        out[:] = 0.0
+        if k == float("inf"):
+            out[int(np.argmax(q0))] = 1.0
+            return
+        idx = np.flatnonzero(q0)
+        v = np.log(q0[idx]) * k
+        w = np.exp(v - v.max())
+        out[idx] = w / w.sum()
+
+    def acceptance(self, p: np.ndarray, q0: np.ndarray) -> np.ndarray:
+        """Each candidate's acceptance on one row: sum_x min(p(x), q(x))."""
+        idx = np.flatnonzero(q0)
+        pq, lq = p[idx], np.log(q0[idx])
+        out = np.empty(len(self.POWERS))
+        for j, k in enumerate(self.POWERS):
+            if k == float("inf"):
+                out[j] = pq[int(np.argmax(lq))]
+                continue
+            v = lq * k
+            w = np.exp(v - v.max())
+            out[j] = np.minimum(pq, w / w.sum()).sum()
+        return out
+
+    def observe(self, depth: int, p: np.ndarray, q0: np.ndarray) -> None:
+        """A verified row of this depth: the target's distribution there, and the head's."""
+        if depth >= len(self.choice):
+            return
+        a = self.acceptance(p, q0)
+        self.score[depth] = self.DECAY * self.score[depth] + (1 - self.DECAY) * a
+        self.seen[depth] += 1
+        best = int(np.argmax(self.score[depth]))
+        cur = self.choice[depth]
+        # a small margin against flapping between near-equal candidates
+        if self.score[depth, best] > self.score[depth, cur] + 1e-3:
+            self.choice[depth] = best
 
 
 @dataclass

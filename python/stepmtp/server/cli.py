@@ -174,8 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--spec-verify", metavar="auto|exact|rejection", dest="verify", choices=["auto", "exact", "rejection"],
         default="auto", help="verification above temperature 0: rejection sampling or exact match "
                              "(default: auto = rejection)")
-    add(g, "--spec-adaptive", dest="adaptive", action="store_true",
-        help="choose the draft length (0..n-max) each round from measured acceptance and costs")
+    add(g, "--spec-adaptive", dest="adaptive", action="store_const", const=True, default=True,
+        help="choose each slot's draft length every round (0, or n-min..n-max) from the acceptance under its "
+             "sampling settings and the measured cost of the whole round (default: on)")
+    add(g, "--no-spec-adaptive", dest="adaptive", action="store_const", const=False,
+        help="draft n-max every round (as does --spec-draft-n-min equal to --spec-draft-n-max)")
     add(g, "--spec-batch-invariant", dest="batch_invariant", action="store_true",
         help="compute each row of a verify as a one-row decode would, so that at temperature 0 speculative "
              "output equals plain decoding's on GPU backends too (costs time; the CPU needs no such mode)")

@@ -44,8 +44,8 @@ class ServerConfig:
     schedule: str = "fused"
     #: --spec-verify: "auto" (rejection sampling above temperature 0), "exact", "rejection"
     verify: str = "auto"
-    #: --spec-adaptive: choose the draft length each round
-    adaptive: bool = False
+    #: choose the draft length each round (--no-spec-adaptive, or n-min = n-max: a fixed one)
+    adaptive: bool = True
     #: --spec-batch-invariant: each row of a target decode computed as if alone
     batch_invariant: bool = False
     #: -c; 0: the model's training context

@@ -1,0 +1,209 @@
+"""The draft-length plan (adaptive.py) against costs and acceptances given by hand.
+
+A simulated engine: each round the planner plans every sequence's length, the round
+costs what ``verify(R)`` and the draft steps say, and each draft is accepted with its
+depth's probability. No timing of the machine: the tests assert what the plan does
+with given costs, which is where it could go wrong."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from stepmtp.adaptive import DraftPlanner, RoundCosts, regime
+
+# a CPU's costs on the bench model (x a 1-row decode): verify rows cost, heads are cheap
+CPU = {1: 1.0, 2: 1.61, 3: 2.06, 4: 2.52}
+# temperature 0 on the bench model: acceptance per depth
+T0 = (0.87, 0.86, 0.92)
+
+
+def cpu_verify(rows: int) -> float:
+    return CPU.get(rows, 0.55 + 0.49 * rows)
+
+
+def simulate(planner: DraftPlanner, accepts, rounds: int, verify=cpu_verify, step=0.05, caps=None, seed=0,
+             keys=None):
+    """Run ``rounds`` rounds of len(accepts) sequences (accepts[s][d]: the chance sequence
+    s's draft d is accepted given the ones before); the lengths planned, per round."""
+    rng = random.Random(seed)
+    n = len(accepts(0) if callable(accepts) else accepts)
+    pols = [planner.policy(keys[s] if keys else 0.0) for s in range(n)]
+    out = []
+    for r in range(rounds):
+        acc = accepts(r) if callable(accepts) else accepts
+        lens = planner.plan(pols, caps or [planner.n_draft] * n)
+        out.append(lens)
+        rows = sum(k + 1 for k in lens)
+        planner.observe_round(rows, verify(rows), [step] * max(lens, default=0))
+        for p, k, a in zip(pols, lens, acc):
+            got = 0
+            while got < k and rng.random() < a[got]:
+                got += 1
+            p.observe(k, got)
+    return out
+
+
+def share(plans, want) -> float:
+    return sum(p == want for p in plans) / len(plans)
+
+
+def expected(plan, accepts, verify=cpu_verify, step=0.05) -> tuple[float, float]:
+    """(expected tokens, cost) of one round of this plan."""
+    tokens = 0.0
+    for n, a in zip(plan, accepts):
+        tokens += 1 + sum(float(np.prod(a[: d + 1])) for d in range(n))
+    return tokens, verify(sum(n + 1 for n in plan)) + step * max(plan, default=0)
+
+
+def efficiency(plans, accepts, verify=cpu_verify, step=0.05, n_max=3) -> float:
+    """Tokens per second of the plans made, over the best fixed plan's."""
+    import itertools
+
+    got = [expected(p, accepts, verify, step) for p in plans]
+    best = max(t / c for t, c in (expected(list(p), accepts, verify, step)
+                                  for p in itertools.product(range(n_max + 1), repeat=len(accepts))))
+    return sum(t for t, _ in got) / sum(c for _, c in got) / best
+
+
+def test_one_sequence_drafts_the_length_that_pays_most():
+    acc = [(0.87, 0.75, 0.69)]  # E[tokens] / cost for n = 0..3: 1.00, 1.13, 1.17, 1.11
+    plans = simulate(DraftPlanner(3), acc, 1000)
+    assert share(plans[50:], [2]) > 0.75, plans[-20:]
+    assert efficiency(plans[50:], acc) > 0.98
+
+
+def test_costs_are_learned_by_rows_from_the_rounds():
+    p = DraftPlanner(3)
+    simulate(p, [T0], 300)
+    c = p.costs
+    rows = sum(k + 1 for k in simulate(p, [T0], 1)[0])
+    assert c.verify(rows) == pytest.approx(cpu_verify(rows), rel=0.02)  # in use: measured
+    assert c.verify(1) == pytest.approx(1.0, rel=0.2)  # timed early on, then mostly the line's
+    assert c.step(0) == pytest.approx(0.05)
+
+
+def test_plain_decoding_where_drafts_are_rarely_accepted():
+    # at temperature 1 a head's first draft is accepted ~45%: 1.45 tokens for 1.66 decodes
+    acc = [(0.45, 0.4, 0.4)]
+    plans = simulate(DraftPlanner(3), acc, 1000)
+    assert share(plans[50:], [0]) > 0.9
+    assert efficiency(plans[50:], acc) > 0.98
+
+
+def test_a_gpu_where_rows_are_nearly_free_drafts_long():
+    flat = lambda r: 1.0 + 0.02 * (r - 1)  # noqa: E731
+    plans = simulate(DraftPlanner(3), [(0.7, 0.7, 0.7)], 300, verify=flat)
+    assert share(plans[50:], [3]) > 0.9
+
+
+def test_several_sequences_share_the_cost_of_the_rows():
+    """Four sequences on a CPU: a verify of R rows costs 0.6 + 0.4 R. Drafting one token
+    each pays (7.5 tokens for 3.85 vs 4 for 2.2); deeper drafts cost more than they bring,
+    though for one sequence alone n = 2 would pay (its rows cost 1.0, 1.4, 1.8)."""
+    rows = lambda r: 0.6 + 0.4 * r  # noqa: E731
+    acc = [(0.87, 0.75, 0.69)] * 4
+    plans = simulate(DraftPlanner(3), acc, 500, verify=rows)
+    assert np.mean([sum(p) for p in plans[100:]]) == pytest.approx(4, abs=1), plans[-10:]
+    assert efficiency(plans[100:], acc, rows) > 0.97
+    alone = simulate(DraftPlanner(3), acc[:1], 1000, verify=rows)
+    assert share(alone[100:], [2]) > 0.5 and efficiency(alone[100:], acc[:1], rows) > 0.98
+
+
+def test_rows_go_to_the_sequences_whose_drafts_are_accepted():
+    good, bad = (0.95, 0.95, 0.95), (0.1, 0.1, 0.1)
+    plans = simulate(DraftPlanner(3), [good, bad, good, bad], 500, verify=lambda r: 0.6 + 0.4 * r)
+    tail = plans[100:]
+    assert np.mean([p[0] + p[2] for p in tail]) > 2.5  # the predictable ones draft
+    assert np.mean([p[1] + p[3] for p in tail]) < 0.3  # the others hardly do
+
+
+def test_drafting_stops_in_a_bad_stretch_and_resumes_by_itself():
+    def acc(r):
+        return [(0.0, 0.0, 0.0)] if 100 <= r < 200 else [(0.95, 0.95, 0.95)]
+
+    plans = simulate(DraftPlanner(3, probe_every=10**6), acc, 400)
+    assert share(plans[150:200], [0]) > 0.6  # stopped
+    assert share(plans[300:], [0]) < 0.1  # and drafts again, without waiting for a probe
+
+
+def test_an_engines_first_unlucky_rounds_do_not_settle_it():
+    """Every draft of the engine's first rounds (timing the lengths) is rejected; the
+    text's drafts are accepted 87% afterwards. Later sequences must draft."""
+    p = DraftPlanner(3)
+    simulate(p, [(0.0, 0.0, 0.0)], 10)
+    plans = simulate(p, [T0], 400, seed=1)
+    assert share(plans[100:], [0]) < 0.1
+
+
+def test_acceptance_is_kept_per_sampling_regime():
+    """Greedy sequences draft; sequences sampling at temperature 1 (their drafts rarely
+    accepted) do not drag the greedy ones' prior down, nor the other way round."""
+    p = DraftPlanner(3)
+    keys = [regime(True, 0.0), regime(False, 1.0)]
+    plans = simulate(p, [T0, (0.2, 0.2, 0.2)], 600, keys=keys, verify=lambda r: 0.6 + 0.4 * r)
+    assert p.record_for(keys[0]).estimate(p.rounds)[0] > 0.8
+    assert np.mean([x[0] for x in plans[100:]]) > 1.5
+    assert np.mean([x[1] > 0 for x in plans[100:]]) < 0.1
+
+
+def test_a_sequence_that_starts_drafting_again_holds_on_a_few_rounds():
+    p = DraftPlanner(1, probe_every=16, max_probe_every=16)
+    plans = [x[0] for x in simulate(p, [(0.3,)], 1000)]
+    starts = [i for i in range(50, len(plans)) if plans[i] and not plans[i - 1]]
+    assert len(starts) > 10  # a probe now and then...
+    assert all(plans[i : i + 4] == [1, 1, 1, 1] for i in starts if i + 4 <= len(plans))
+    assert share(plans[50:], 0) > 0.7  # ...and mostly plain decoding
+
+
+def test_caps_and_n_min_bound_the_plan():
+    p = DraftPlanner(3)
+    pol = [p.policy(0.0, n_min=2), p.policy(0.0)]
+    for _ in range(200):
+        lens = p.plan(pol, [3, 1])
+        rows = sum(k + 1 for k in lens)
+        p.observe_round(rows, 1.0 + 0.01 * rows, [0.01] * max(lens))
+        for q, k in zip(pol, lens):
+            q.observe(k, k)
+        assert lens[0] in (0, 2, 3) and lens[1] <= 1
+
+
+def test_probes_back_off_while_they_lose():
+    p = DraftPlanner(3, probe_every=8, max_probe_every=256)
+    simulate(p, [(0.05, 0.05, 0.05)], 1500)
+    assert p.gap == 256
+
+
+def test_a_fresh_timing_of_a_row_count_left_alone_replaces_the_old():
+    c = RoundCosts(1)
+    for rows in (1, 2):
+        for _ in range(12):  # the first of each is a warm-up, untimed
+            c.rounds += 1
+            c.observe_verify(rows, 1.0)
+    c.rounds += 1
+    c.observe_verify(2, 0.5)  # timed the round before too: a small step
+    assert 0.9 <= c.verify_t.t[2] < 1.0
+    c.rounds += 100
+    c.observe_verify(1, 0.5)  # not timed for 100 rounds: mostly replaced
+    assert c.verify_t.t[1] < 0.6
+
+
+def test_a_preempted_round_moves_an_estimate_by_at_most_3x():
+    c = RoundCosts(1)
+    for _ in range(6):
+        c.rounds += 1
+        c.observe_verify(1, 1.0)
+    c.rounds += 1
+    c.observe_verify(1, 500.0)  # the process sat out 0.5 s
+    assert c.verify_t.t[1] < 1.5
+
+
+def test_unmeasured_row_counts_are_read_off_the_line_through_the_measured():
+    c = RoundCosts(3)
+    for rows, t in ((1, 1.0), (5, 3.0)):
+        for _ in range(5):
+            c.rounds += 1
+            c.observe_verify(rows, t)
+    assert c.verify(3) == pytest.approx(2.0, rel=0.01)
+    assert c.verify(9) == pytest.approx(5.0, rel=0.01)
