@@ -303,6 +303,33 @@ def test_cli_parallel(agree, tmp_path, capsys, server):
     assert bench_main(["-m", str(agree), "--parallel", "1"]) == 2
 
 
+def test_cli_matrix(agree, tmp_path, capsys):
+    """--matrix: servers at their default flags (MTP off, on, fixed lengths), temperatures
+    x clients; at temperature 0 every entry writes MTP off's texts, under load too (else
+    exit 3); a table per temperature, JSON with every run, a heat-map when matplotlib is there."""
+    out = tmp_path / "m"
+    rc = bench_main(["-m", str(agree), "--matrix", "--entries", "off,mtp,n3,n3-raw", "--temps", "0,1",
+                     "--clients", "1,2", "--limit", "3", "-n", "12", "-t", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "**temperature 0**" in text and "**temperature 1**" in text and "| `n3-raw` |" in text
+    doc = json.loads((out / "matrix.json").read_text())
+    cells = {(c["temperature"], c["clients"]): c for c in doc["matrix"]}
+    assert set(cells) == {(0.0, 1), (0.0, 2), (1.0, 1), (1.0, 2)}
+    for c in cells.values():
+        e = c["entries"]
+        assert set(e) == {"off", "mtp", "n3", "n3-raw"}
+        assert all(x["runs"][0]["tokens"] == 36 for x in e.values())  # 3 prompts x 12 tokens
+        assert e["off"]["x_off"] == 1.0 and e["off"]["accept"] is None
+    assert cells[(0.0, 1)]["entries"]["n3"]["accept"] > 0  # a fixed length drafts every round
+    assert (out / "matrix.md").read_text().startswith("**temperature 0**")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "matrix.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # -- the widened model -------------------------------------------------------------------
 
 
@@ -324,7 +351,7 @@ def test_widen_keeps_greedy_tokens(agree, tmp_path):
     out = {}
     for path in (agree, dst):
         for mode in ("none", "chain"):
-            with Engine(path, mode=mode, n_ctx=512, n_threads=1) as eng:
+            with Engine(path, mode=mode, n_ctx=512, n_threads=1, adaptive=False) as eng:
                 c = eng.generate("def heappush(heap, item):", n_predict=48, temperature=0)
                 out[(path, mode)] = (c.tokens, c.stats.n_drafted, c.stats.n_accepted)
     assert out[(agree, "none")][0] == out[(dst, "none")][0] == out[(agree, "chain")][0]
@@ -390,7 +417,7 @@ def test_widen_quantized(agree, tmp_path):
     assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
     toks = []
     for path in (q8, wide):
-        with Engine(path, mode="chain", n_ctx=512, n_threads=1) as eng:
+        with Engine(path, mode="chain", n_ctx=512, n_threads=1, adaptive=False) as eng:
             c = eng.generate("class Queue:", n_predict=32, temperature=0)
             toks.append((c.tokens, c.stats.n_accepted))
     assert toks[0] == toks[1]
@@ -550,7 +577,7 @@ def test_flash_keeps_predictions(shaped, request):
     out = {}
     for path in (src, res.path):
         for mode in ("none", "chain"):
-            with Engine(path, mode=mode, n_ctx=512, n_threads=1) as eng:
+            with Engine(path, mode=mode, n_ctx=512, n_threads=1, adaptive=False) as eng:
                 c = eng.generate("def heappush(heap, item):\n    \"\"\"Push item onto heap", n_predict=48,
                                  temperature=0)
                 out[(path, mode)] = (c.tokens, c.stats.n_drafted, c.stats.n_accepted)

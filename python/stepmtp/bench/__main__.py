@@ -107,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
                         f"({', '.join(COMPARE_SETS['adaptive'])})")
     g.add_argument("--configs", default=None,
                    help="comma-separated configurations, e.g. none,single-2,chain-3,chain-3-ref,cpp-single-2")
+    g = ap.add_argument_group("matrix")
+    g.add_argument("--matrix", action="store_true",
+                   help="MTP against no MTP through the server at its default flags: temperatures x concurrent "
+                        "clients, each entry a server of its own (see stepmtp.bench.matrix); a table, a heat-map "
+                        "(--chart, or bench.png with --out) and JSON")
+    g.add_argument("--temps", default="0,0.7,1", help="--matrix: the rows' temperatures (default 0,0.7,1)")
+    g.add_argument("--clients", default="1,2,4,8", help="--matrix: the columns' concurrent clients (default 1,2,4,8)")
+    g.add_argument("--entries", default="",
+                   help="--matrix: the servers, of off, mtp, n1, n2, n3, cpp-off, cpp-mtp (default: off,mtp,n1,n2,n3, "
+                        "and cpp-off,cpp-mtp with --llama-server)")
     g = ap.add_argument_group("run")
     g.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="throughput of N concurrent clients on N slots against 1 client on 1 slot, per "
@@ -241,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.parallel is not None:
         return _parallel(args, s, cfgs, prompts, progress)
+    if args.matrix:
+        return _matrix(args, s, prompts, llama_server, progress)
 
     runners: list[Runner] = []
     model_info: dict[str, Any] = {}
@@ -329,6 +341,66 @@ def _parallel(args: argparse.Namespace, s: dict[str, Any], cfgs: list[BenchConfi
     bad = P.same_texts(runs)
     if bad:
         print(f"{PROG}: outputs differ between 1 and {args.parallel} clients for {', '.join(bad)}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_server: Path | None,
+            progress: bool) -> int:
+    from . import matrix as X
+
+    if args.url or args.baseline or args.configs or args.compare or args.rpc:
+        print(f"{PROG}: --matrix starts its own servers (no --url, --baseline, --configs, --compare or --rpc)",
+              file=sys.stderr)
+        return 2
+    try:
+        entries = X.parse_entries(args.entries, llama_server is not None)
+        temps = [float(t) for t in args.temps.split(",") if t.strip()]
+        clients = [int(n) for n in args.clients.split(",") if n.strip()]
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    path = _model_path(s, progress)
+    if path is None:
+        return 2
+    try:
+        cells, props = X.run_matrix(list(prompts.prompts), entries, path, temps=temps, clients=clients,
+                                    repeat=s["repeat"], llama_server=llama_server, threads=s["threads"],
+                                    progress=progress)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    env = R.environment(s["threads"])
+    md = (f"{X.markdown(cells, entries)}\n{len(prompts)} prompts x {prompts.prompts[0].n_predict} tokens, best of "
+          f"{s['repeat']}; {env.get('cpu_model')}, {env.get('n_threads')} threads; model "
+          f"{_model_info(s['model'], path, s['bench_model_mb'])['name']}\n")
+    print(md)
+    doc = {"matrix": [c.to_dict() for c in cells], "entries": {e.name: {"flags": list(e.flags), "cpp": e.cpp,
+                                                                      "what": e.what} for e in entries},
+           "servers": props, "model": _model_info(s["model"], path, s["bench_model_mb"]),
+           "settings": {k: s[k] for k in ("n_predict", "limit", "categories", "threads", "repeat")},
+           "environment": env}
+    outs = {"json": args.json, "markdown": args.markdown, "chart": args.chart}
+    if args.out:
+        d = Path(args.out)
+        d.mkdir(parents=True, exist_ok=True)
+        for kind, name in (("json", "matrix.json"), ("markdown", "matrix.md"), ("chart", "matrix.png")):
+            outs[kind] = outs[kind] or str(d / name)
+    if outs["json"]:
+        text = json.dumps(doc, indent=2) + "\n"
+        sys.stdout.write(text) if outs["json"] == "-" else Path(outs["json"]).write_text(text)
+    if outs["markdown"]:
+        Path(outs["markdown"]).write_text(md)
+    if outs["chart"]:
+        why = X.write_heatmap(cells, entries, outs["chart"])
+        if why:
+            print(f"bench: {why}", file=sys.stderr)
+    bad = X.check_texts(cells, entries)
+    if bad:
+        print(f"{PROG}: texts differ:\n  " + "\n  ".join(bad), file=sys.stderr)
         return 3
     return 0
 

@@ -4,7 +4,9 @@
   each prompt (per draft depth too) is deterministic for a given build and model, so
   the baseline keeps them exactly and any change is reported, with the prompt, the
   configuration and the depth. The output text is kept as a hash: it must not change
-  either (and all configurations must agree with each other).
+  either (and all configurations must agree with each other). An adaptive draft
+  length drafts by the machine's timings: of it the gate keeps the text and the
+  tokens predicted, which are still exact, and its speed ratio.
 * Speed. Absolute tokens per second depend on the machine, so only ratios measured in
   the same run are compared: each speculative configuration's tok/s over the
   no-speculation run's. A ratio lower than the baseline's by more than the tolerance
@@ -45,9 +47,10 @@ def make_baseline(run: BenchRun, tolerance: float = DEFAULT_TOLERANCE) -> dict[s
     counts: dict[str, Any] = {}
     for c in run.configs:
         counts[c.label] = {
-            r.category: {"pred": r.predicted, "draft": r.drafted, "acc": r.accepted,
-                         "draft_per_depth": r.drafted_per_depth, "acc_per_depth": r.accepted_per_depth,
-                         "text_sha256": _sha(r.text)}
+            r.category: ({"pred": r.predicted, "text_sha256": _sha(r.text), "timed": True} if c.config.adaptive else
+                         {"pred": r.predicted, "draft": r.drafted, "acc": r.accepted,
+                          "draft_per_depth": r.drafted_per_depth, "acc_per_depth": r.accepted_per_depth,
+                          "text_sha256": _sha(r.text)})
             for r in c.results
         }
     speed = {lab: {"tok_s_ratio": a.get("tok_s_ratio"), "relative_to": a.get("relative_to"),
@@ -166,11 +169,13 @@ def check(run: BenchRun, baseline: dict[str, Any], tolerance: float | None = Non
                 continue
             rep.n_compared += 1
             diffs = []
-            for key, now in (("pred", r.predicted), ("draft", r.drafted), ("acc", r.accepted)):
+            timed = b.get("timed", False)  # an adaptive length: its drafts follow the machine's timings
+            for key, now in (("pred", r.predicted),) + (() if timed else (("draft", r.drafted), ("acc", r.accepted))):
                 if b.get(key) != now:
                     diffs.append(f"{key} {b.get(key)} -> {now}")
-            diffs += _depth_diff("drafted", b.get("draft_per_depth"), r.drafted_per_depth)
-            diffs += _depth_diff("accepted", b.get("acc_per_depth"), r.accepted_per_depth)
+            if not timed:
+                diffs += _depth_diff("drafted", b.get("draft_per_depth"), r.drafted_per_depth)
+                diffs += _depth_diff("accepted", b.get("acc_per_depth"), r.accepted_per_depth)
             if b.get("text_sha256") and b["text_sha256"] != _sha(r.text):
                 diffs.append("output text changed")
             if diffs:

@@ -637,8 +637,7 @@ class ServerRunner(URLRunner):
                 argv += ["--spec-mtp-mode", config.mode, "--spec-verify", config.verify]
                 if config.schedule != "fused":
                     argv += ["--spec-schedule", config.schedule]
-                if config.adaptive:
-                    argv += ["--spec-adaptive"]
+                argv += ["--spec-adaptive" if config.adaptive else "--no-spec-adaptive"]
         if batch_invariant and config.backend == "server":
             argv += ["--spec-batch-invariant"]
         self.process = ServerProcess(argv, startup_timeout=startup_timeout, label=config.label)

@@ -1,0 +1,322 @@
+"""``--matrix``: MTP against no MTP where users run it, through the server at its default flags.
+
+Rows are sampling temperatures, columns the number of concurrent clients; in each
+cell every *entry* (a server started once with its own flags) runs the whole prompt
+set, the clients taking prompts from a shared queue, and the cell's figure is the
+aggregate tokens per second (generated tokens / wall time, prompts included). The
+entries of a cell run one after the other, in an order that rotates from repeat to
+repeat, so the machine's drift falls on all of them alike; each entry keeps its best
+repeat.
+
+Entries:
+
+* ``off``: ``python -m stepmtp.server -m MODEL`` (llama-server's default, no drafting);
+* ``mtp``: ``... --spec-type draft-mtp`` and nothing else: the draft length the server
+  chooses by itself each round;
+* ``n1`` .. ``n3``: a fixed draft length (``--spec-draft-n-max N --spec-draft-n-min N``),
+  drafts drawn as the default's are;
+* ``n3-raw``: ``--no-spec-adaptive``, the default before the draft length was chosen:
+  3 drafts every round, drawn from the heads' distribution as it is (the acceptance
+  before ``sampling.DraftShaper``);
+* ``cpp-off``, ``cpp-mtp``: the C++ llama-server (``--llama-server PATH``), plain and with
+  its MTP drafting at n-max 3.
+
+Requests are ``POST /completion`` with the temperature of the row, llama-server's other
+sampling defaults, a fixed seed per prompt, and no prompt cache (each prompt decoded in
+full, by every entry alike). At temperature 0 each text must equal ``off``'s, and under
+load each text must equal the text the same entry wrote for one client: exit 3 when not.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from .prompts import Prompt
+from .runners import SAMPLING_SEED, ServerProcess, _http
+
+__all__ = ["Entry", "Cell", "ENTRIES", "parse_entries", "run_matrix", "markdown", "write_heatmap", "check_texts"]
+
+DEFAULT_TEMPS = (0.0, 0.7, 1.0)
+DEFAULT_CLIENTS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A server and the flags it runs with, beyond ``-m`` (and ``-t`` when given)."""
+
+    name: str
+    flags: tuple[str, ...]
+    cpp: bool = False
+    what: str = ""
+
+    @property
+    def mtp(self) -> bool:
+        return "draft-mtp" in self.flags
+
+
+def _fixed(n: int) -> Entry:
+    return Entry(f"n{n}", ("--spec-type", "draft-mtp", "--spec-draft-n-max", str(n), "--spec-draft-n-min", str(n)),
+                 what=f"MTP, {n} drafted every round")
+
+
+ENTRIES: dict[str, Entry] = {
+    "off": Entry("off", (), what="no MTP (the server's default)"),
+    "mtp": Entry("mtp", ("--spec-type", "draft-mtp"), what="MTP at default flags (the draft length chosen each round)"),
+    **{f"n{n}": _fixed(n) for n in (1, 2, 3)},
+    "n3-raw": Entry("n3-raw", ("--spec-type", "draft-mtp", "--no-spec-adaptive"),
+                    what="MTP n-max 3 as it was: every round 3 drafts, drawn from the heads' own distribution"),
+    "cpp-off": Entry("cpp-off", (), cpp=True, what="C++ llama-server, no MTP"),
+    "cpp-mtp": Entry("cpp-mtp", ("--spec-type", "draft-mtp", "--spec-draft-n-max", "3"), cpp=True,
+                     what="C++ llama-server (MTP3 merged), MTP n-max 3"),
+}
+DEFAULT_ENTRIES = ("off", "mtp", "n1", "n2", "n3")
+
+
+def parse_entries(text: str, cpp: bool) -> list[Entry]:
+    names = [n.strip() for n in text.split(",") if n.strip()] if text else list(DEFAULT_ENTRIES)
+    if cpp and not text:
+        names += ["cpp-off", "cpp-mtp"]
+    bad = [n for n in names if n not in ENTRIES]
+    if bad:
+        raise ValueError(f"unknown matrix entries {', '.join(bad)} (known: {', '.join(ENTRIES)})")
+    if any(ENTRIES[n].cpp for n in names) and not cpp:
+        raise ValueError("cpp-* entries need --llama-server PATH")
+    if "off" not in names:
+        names.insert(0, "off")
+    return [ENTRIES[n] for n in dict.fromkeys(names)]
+
+
+@dataclass
+class Run:
+    """One entry's pass over the prompt set in one cell."""
+
+    wall_s: float
+    tokens: int
+    drafted: int
+    accepted: int
+    texts: list[str]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class Cell:
+    temperature: float
+    clients: int
+    #: entry name -> its runs, one per repeat
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+
+    def best(self, name: str) -> Run | None:
+        rs = self.runs.get(name)
+        return max(rs, key=lambda r: r.tok_s) if rs else None
+
+    def tok_s(self, name: str) -> float | None:
+        b = self.best(name)
+        return b.tok_s if b else None
+
+    def ratio(self, name: str, to: str = "off") -> float | None:
+        a, b = self.tok_s(name), self.tok_s(to)
+        return a / b if a and b else None
+
+    def accept(self, name: str) -> float | None:
+        rs = self.runs.get(name) or []
+        d = sum(r.drafted for r in rs)
+        return sum(r.accepted for r in rs) / d if d else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "clients": self.clients,
+                "entries": {n: {"tok_s": self.tok_s(n), "x_off": self.ratio(n), "accept": self.accept(n),
+                                "runs": [{"wall_s": r.wall_s, "tokens": r.tokens, "drafted": r.drafted,
+                                          "accepted": r.accepted} for r in rs]}
+                            for n, rs in self.runs.items()}}
+
+
+def _request(url: str, p: Prompt, temperature: float, seed: int, timeout: float) -> dict[str, Any]:
+    body = {"prompt": p.prompt, "n_predict": p.n_predict, "temperature": temperature, "seed": seed,
+            "cache_prompt": False, "stream": False}
+    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _drive(url: str, prompts: Sequence[Prompt], temperature: float, clients: int, timeout: float) -> Run:
+    outs: list[dict[str, Any] | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    todo = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while not errors:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                outs[i] = _request(url, prompts[i], temperature, SAMPLING_SEED + i, timeout)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{url}: a request failed: {errors[0]}")
+    tokens = drafted = accepted = 0
+    texts = []
+    for o in outs:
+        t = o.get("timings") or {}
+        tokens += int(t.get("predicted_n", o.get("tokens_predicted", 0)))
+        drafted += int(t.get("draft_n", 0))
+        accepted += int(t.get("draft_n_accepted", 0))
+        texts.append(o.get("content", ""))
+    return Run(wall, tokens, drafted, accepted, texts)
+
+
+def _argv(e: Entry, model: Path, llama_server: Path | None, threads: int | None) -> list[str]:
+    exe = [str(llama_server)] if e.cpp else [sys.executable, "-m", "stepmtp.server"]
+    return [*exe, "-m", str(model), *(["-t", str(threads)] if threads else []), *e.flags]
+
+
+def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path, *,
+               temps: Sequence[float] = DEFAULT_TEMPS, clients: Sequence[int] = DEFAULT_CLIENTS,
+               repeat: int = 1, llama_server: Path | None = None, threads: int | None = None,
+               timeout: float = 1800.0, progress: bool = True) -> tuple[list[Cell], dict[str, Any]]:
+    """Every cell of temps x clients, each entry's server started once; the cells and
+    what each server reported of itself (``/props``)."""
+    servers = {e.name: ServerProcess(_argv(e, model, llama_server, threads), label=e.name) for e in entries}
+    cells = [Cell(t, c) for t in temps for c in clients]
+    props: dict[str, Any] = {}
+    try:
+        for e in entries:
+            s = servers[e.name]
+            s.start()
+            status, p = _http(s.url + "/props", timeout=30)
+            props[e.name] = {"argv": s.argv, "props": p if status == 200 else None}
+            # a first short request: buffers allocated, pages faulted in
+            _request(s.url, prompts[0].__class__(prompts[0].category, prompts[0].prompt, 8), 0.0, 0, timeout)
+        order = list(entries)
+        for k in range(repeat):
+            for cell in cells:
+                for e in order:
+                    run = _drive(servers[e.name].url, prompts, cell.temperature, cell.clients, timeout)
+                    cell.runs.setdefault(e.name, []).append(run)
+                    if progress:
+                        acc = f", accept {run.accepted / run.drafted:.2f}" if run.drafted else ""
+                        print(f"matrix: pass {k + 1}/{repeat} t={cell.temperature:g} clients={cell.clients} "
+                              f"{e.name}: {run.tok_s:.1f} tok/s{acc}", file=sys.stderr)
+                order = order[1:] + order[:1]
+    finally:
+        for s in servers.values():
+            s.close()
+    return cells, props
+
+
+def check_texts(cells: Sequence[Cell], entries: Sequence[Entry]) -> list[str]:
+    """What went wrong with the texts: at temperature 0 every stepmtp entry must write
+    ``off``'s texts; under load every entry its own one-client texts (at temperature 0)."""
+    bad = []
+    for c in cells:
+        if c.temperature > 0:
+            continue
+        ref = c.best("off")
+        for e in entries:
+            b = c.best(e.name)
+            if b is None or e.cpp:
+                continue
+            for rs in c.runs[e.name]:
+                if ref is not None and rs.texts != ref.texts:
+                    bad.append(f"t=0 clients={c.clients}: {e.name} differs from off")
+                    break
+        alone = next((x for x in cells if x.temperature == c.temperature and x.clients == 1), None)
+        if alone is None or c.clients == 1:
+            continue
+        for e in entries:
+            if e.cpp or e.name not in c.runs or e.name not in alone.runs:
+                continue
+            if c.best(e.name).texts != alone.best(e.name).texts:
+                bad.append(f"t=0 clients={c.clients}: {e.name} differs from its one-client texts")
+    return bad
+
+
+def markdown(cells: Sequence[Cell], entries: Sequence[Entry]) -> str:
+    temps = sorted({c.temperature for c in cells})
+    clients = sorted({c.clients for c in cells})
+    by = {(c.temperature, c.clients): c for c in cells}
+    lines = []
+    cpp = "cpp-mtp" in {e.name for e in entries}
+    for t in temps:
+        lines.append(f"**temperature {t:g}**: aggregate tok/s (x `off`; acceptance)\n")
+        lines.append("| entry | " + " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in clients) + " |")
+        lines.append("|---|" + "---:|" * len(clients))
+        for e in entries:
+            row = []
+            for n in clients:
+                c = by.get((t, n))
+                v = c.tok_s(e.name) if c else None
+                if v is None:
+                    row.append("–")
+                    continue
+                r, a = c.ratio(e.name), c.accept(e.name)
+                txt = f"{v:.1f}"
+                if e.name != "off" and r is not None:
+                    txt += f" ({r:.2f}x" + (f"; {a:.2f}" if a is not None else "") + ")"
+                row.append(txt)
+            lines.append(f"| `{e.name}` | " + " | ".join(row) + " |")
+        if cpp:
+            row = []
+            for n in clients:
+                c = by.get((t, n))
+                r = c.ratio("mtp", "cpp-mtp") if c else None
+                row.append(f"{r:.2f}x" if r else "–")
+            lines.append("| `mtp` x `cpp-mtp` | " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_heatmap(cells: Sequence[Cell], entries: Sequence[Entry], path: str | Path) -> str | None:
+    """A PNG: per temperature, entries x clients, coloured by tok/s relative to ``off``
+    (red below 1, blue above); None when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import TwoSlopeNorm
+    except ImportError:
+        return "no heat-map: matplotlib is not installed (pip install 'stepmtp[bench]')"
+    temps = sorted({c.temperature for c in cells})
+    clients = sorted({c.clients for c in cells})
+    by = {(c.temperature, c.clients): c for c in cells}
+    names = [e.name for e in entries if e.name != "off"]
+    fig, axes = plt.subplots(1, len(temps), figsize=(3.2 * len(temps) + 1, 0.5 * len(names) + 1.6), squeeze=False)
+    norm = TwoSlopeNorm(vmin=0.5, vcenter=1.0, vmax=1.5)
+    im = None
+    for ax, t in zip(axes[0], temps):
+        grid = [[(by[(t, n)].ratio(m) if (t, n) in by else None) or float("nan") for n in clients] for m in names]
+        im = ax.imshow(grid, cmap="RdBu", norm=norm, aspect="auto")
+        ax.set_xticks(range(len(clients)), [str(n) for n in clients])
+        ax.set_yticks(range(len(names)), names)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(f"temperature {t:g}")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), label="aggregate tok/s / MTP off")
+    fig.suptitle("stepmtp.server at default flags: tok/s relative to MTP off")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return None
