@@ -60,7 +60,10 @@ class RPCError(LlamaError):
 def rpc_server_path() -> Path:
     """The ``rpc-server`` binary installed with the package (``python -m
     stepmtp.rpc_server`` runs it)."""
-    p = Path(__file__).resolve().parent / "bin" / ("rpc-server.exe" if os.name == "nt" else "rpc-server")
+    from importlib import resources
+
+    # through the package's resources: an editable install keeps the binaries apart from the sources
+    p = Path(str(resources.files(__package__).joinpath("bin", "rpc-server.exe" if os.name == "nt" else "rpc-server")))
     if not p.is_file():
         raise FileNotFoundError(f"{p}: not installed (this build was made with -DSTEPMTP_RPC=off)")
     return p
