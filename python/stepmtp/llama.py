@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .binding import ErrorCapture, LlamaError, ensure_backend, ffi, lib
+from .placement import Placement, kv_type
 from .rpc import Servers, parse_servers
 
 __all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "KVFullError", "default_threads"]
@@ -52,17 +53,6 @@ def _gpu_layers(n: int | str) -> int:
 
 #: llama.h's LLAMA_STATE_SEQ_FLAGS_SWA_ONLY: a sequence's sliding-window cells alone
 _SWA_ONLY = 1
-
-_KV_TYPES = {"f32": "GGML_TYPE_F32", "f16": "GGML_TYPE_F16", "bf16": "GGML_TYPE_BF16",
-             "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
-
-
-def _kv_type(name: str) -> int:
-    try:
-        return getattr(lib, _KV_TYPES[name.lower()])
-    except KeyError:
-        raise ValueError(f"unknown KV cache type {name!r} ({', '.join(_KV_TYPES)})") from None
-
 
 def _check_gguf(path: Path) -> None:
     # llama.cpp reports these too, but only in its log; a direct reason reads better
@@ -134,7 +124,11 @@ class Model(_Closing):
         n_gpu_layers: layers to offload to the GPU (``"all"`` or -1 for all; 0 on CPU).
         rpc: RPC servers, ``"host:port,host:port"`` or a list (llama-server's ``--rpc``):
             their devices come first among the GPUs that ``n_gpu_layers`` fills.
-        use_mmap, use_mlock: as llama.cpp's options of the same names.
+        placement: tensor buffer overrides, devices, split mode (``placement.Placement``:
+            llama-server's ``-ot``, ``-cmoe``, ``-dev``, ``-sm``, ``-ts``, ``-mg``); buffer
+            types and devices may name this model's RPC servers'.
+        use_mmap, use_mlock: as llama.cpp's options of the same names (``--no-mmap``,
+            ``--mlock``).
         progress: True to draw a progress bar on stderr, or a callable taking a
             fraction in [0, 1].
         vocab_only: load only the vocabulary (tokenizing without weights).
@@ -142,6 +136,7 @@ class Model(_Closing):
     Raises:
         ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it
             (the message carries llama.cpp's reason, e.g. the missing tensor).
+        PlacementError: a buffer type or device ``placement`` names does not exist.
         RPCError: an RPC server could not be reached or was lost during the load.
     """
 
@@ -155,6 +150,7 @@ class Model(_Closing):
         progress: bool | Callable[[float], None] = False,
         vocab_only: bool = False,
         rpc: str | Sequence[str] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         ensure_backend()
         self.path = Path(path)
@@ -173,6 +169,10 @@ class Model(_Closing):
         if servers:
             self.rpc = Servers(servers, n_gpu_layers=params.n_gpu_layers)
             params.devices = self.rpc.devices
+        self.placement = placement or Placement()
+        # what the parameters point into (override patterns, device lists): llama.cpp
+        # keeps the model's parameters, so this lives as long as the model
+        self._params_keep = self.placement.apply(params, self.rpc.remote_devices if self.rpc is not None else ())
         handle = None
         if progress:
             handle = ffi.new_handle(_Progress(self.path.name, progress if callable(progress) else None))
@@ -465,8 +465,8 @@ class Context(_Closing):
             (patch 0008), so rolled-back speculative rows are rewritten where plain
             decoding puts them (``swa_rows`` bounds a decode's rows per sequence).
         flash_attn: True, False, or None (llama.cpp decides).
-        type_k, type_v: KV cache types, as llama.cpp's -ctk / -ctv ("f16", "f32",
-            "bf16", "q8_0", "q4_0"; quantized V needs flash attention).
+        type_k, type_v: KV cache types, as llama.cpp's -ctk / -ctv (``placement.KV_TYPES``:
+            "f16", "q8_0", ...; a quantized V needs flash attention).
     """
 
     def __init__(
@@ -517,8 +517,8 @@ class Context(_Closing):
             True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[flash_attn]
-        params.type_k = _kv_type(type_k)
-        params.type_v = _kv_type(type_v)
+        params.type_k = kv_type(type_k, "type_k", mtp)
+        params.type_v = kv_type(type_v, "type_v", mtp)
         with ErrorCapture() as cap:
             ptr = lib.llama_init_from_model(model.ptr, params)
         if model.rpc is not None and model.rpc.lost():

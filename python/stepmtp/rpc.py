@@ -237,6 +237,8 @@ class Servers:
         devs: list = []
         for ep in self.endpoints:
             devs += _registry.devices_of(ep, timeout)
+        #: the servers' devices alone (what -dev and -ot may name besides the local ones)
+        self.remote_devices = devs
         # the servers first, as llama.cpp orders them (fewer transfers over the network)
         self.devices = ffi.new("ggml_backend_dev_t[]", devs + _local_devices() + [ffi.NULL])
         self.device_names = [ffi.string(lib.ggml_backend_dev_name(d)).decode() for d in devs]
