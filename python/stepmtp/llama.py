@@ -9,6 +9,7 @@ buffers, without copies: they are valid until the next ``decode`` on that contex
 from __future__ import annotations
 
 import os
+import re
 import sys
 import weakref
 from pathlib import Path
@@ -20,7 +21,8 @@ from .binding import ErrorCapture, LlamaError, ensure_backend, ffi, lib
 from .placement import Placement, kv_type
 from .rpc import Servers, parse_servers
 
-__all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "KVFullError", "default_threads"]
+__all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "KVFullError", "default_threads",
+           "shard_paths"]
 
 
 class ModelLoadError(LlamaError):
@@ -54,16 +56,37 @@ def _gpu_layers(n: int | str) -> int:
 #: llama.h's LLAMA_STATE_SEQ_FLAGS_SWA_ONLY: a sequence's sliding-window cells alone
 _SWA_ONLY = 1
 
+#: llama.cpp's split file names (llama_split_path): PREFIX-00001-of-00003.gguf
+_SHARD = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def shard_paths(path: str | os.PathLike[str]) -> list[Path]:
+    """Every file of a model split into shards, as llama.cpp finds them from the first
+    one's name (``...-00001-of-0000N.gguf``); ``[path]`` for a name that is not a shard's."""
+    path = Path(path)
+    m = _SHARD.match(path.name)
+    if m is None:
+        return [path]
+    n = int(m["count"])
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+
+
 def _check_gguf(path: Path) -> None:
     # llama.cpp reports these too, but only in its log; a direct reason reads better
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file")
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: not a regular file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r})")
+    shards = shard_paths(path)
+    if len(shards) > 1 and shards[0] != path:
+        raise ModelLoadError(f"{path}: a shard other than the first: load {shards[0].name} (llama.cpp finds "
+                             "the others from its name)")
+    for i, shard in enumerate(shards):
+        what = f"shard {i + 1} of {len(shards)}: {shard}" if len(shards) > 1 else str(shard)
+        if not shard.exists():
+            raise ModelLoadError(f"{path}: {what}: no such file" if i else f"{shard}: no such file")
+        if not shard.is_file():
+            raise ModelLoadError(f"{what}: not a regular file")
+        with open(shard, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{what}: not a GGUF file (magic {magic!r})")
 
 
 class _Progress:
@@ -120,7 +143,8 @@ class Model(_Closing):
     """A GGUF model loaded by llama.cpp.
 
     Args:
-        path: the .gguf file.
+        path: the .gguf file; for a model split into shards the first one
+            (``...-00001-of-0000N.gguf``), llama.cpp loads the others from its name.
         n_gpu_layers: layers to offload to the GPU (``"all"`` or -1 for all; 0 on CPU).
         rpc: RPC servers, ``"host:port,host:port"`` or a list (llama-server's ``--rpc``):
             their devices come first among the GPUs that ``n_gpu_layers`` fills.
@@ -134,8 +158,8 @@ class Model(_Closing):
         vocab_only: load only the vocabulary (tokenizing without weights).
 
     Raises:
-        ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it
-            (the message carries llama.cpp's reason, e.g. the missing tensor).
+        ModelLoadError: the file (or a shard) is missing, not a GGUF, or llama.cpp
+            refused it (the message carries llama.cpp's reason, e.g. the missing tensor).
         PlacementError: a buffer type or device ``placement`` names does not exist.
         RPCError: an RPC server could not be reached or was lost during the load.
     """
