@@ -170,6 +170,11 @@ def _offload_devices(extra_devices: Sequence = ()) -> list:
             if lib.ggml_backend_dev_type(d) != lib.GGML_BACKEND_DEVICE_TYPE_CPU]
 
 
+def _offload_by_name(extra_devices: Sequence = ()) -> dict[str, Any]:
+    # ggml compares device names without case (ggml_backend_dev_by_name)
+    return {_name(lib.ggml_backend_dev_name(d)).lower(): d for d in _offload_devices(extra_devices)}
+
+
 def device_names(extra_devices: Sequence = ()) -> list[str]:
     """The devices ``-dev`` may name: every device but the CPU (llama-server's
     ``--list-devices``), and ``extra_devices`` (a model's RPC servers)."""
@@ -205,7 +210,7 @@ def _parse_devices(spec: str | Sequence[str] | None, draft: bool) -> tuple[str, 
 def _parse_tensor_split(spec: str | Sequence[float] | None) -> tuple[float, ...]:
     if spec is None:
         return ()
-    parts = [p for p in re.split(r"[,/]+", spec)] if isinstance(spec, str) else list(spec)
+    parts = re.split(r"[,/]+", spec) if isinstance(spec, str) else list(spec)
     ensure_backend()
     if len(parts) >= lib.llama_max_devices():
         raise PlacementError("tensor_split", f"{len(parts)} proportions, llama.cpp takes fewer than "
@@ -267,7 +272,7 @@ class Placement:
             if name not in bufts and not (defer_rpc and name.startswith("RPC")):
                 raise PlacementError("override_tensor", f"unknown buffer type {name!r} (available: "
                                      f"{', '.join(sorted(bufts)) or 'none'})", self.draft)
-        offload = {n.lower(): d for n, d in zip(device_names(extra_devices), _offload_devices(extra_devices))}
+        offload = _offload_by_name(extra_devices)
         for name in self.devices or ():
             if name.lower() not in offload and not (defer_rpc and name.upper().startswith("RPC")):
                 raise PlacementError("devices", f"invalid device {name!r} (available: "
@@ -291,7 +296,7 @@ class Placement:
             keep.append(arr)
             params.tensor_buft_overrides = arr
         if self.devices is not None:
-            offload = {n.lower(): d for n, d in zip(device_names(rpc_devices), _offload_devices(rpc_devices))}
+            offload = _offload_by_name(rpc_devices)
             devs = ffi.new("ggml_backend_dev_t[]", [offload[n.lower()] for n in self.devices] + [ffi.NULL])
             keep.append(devs)
             params.devices = devs
