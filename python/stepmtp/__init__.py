@@ -19,6 +19,7 @@ from .budget import ReasoningBudget
 from .stats import GenStats
 from .engine import Chunk, Completion, Engine
 from .rpc import RPCError, rpc_server_path
+from .placement import PlacementError
 
 __all__ = [
     "__version__",
@@ -29,6 +30,7 @@ __all__ = [
     "LlamaError",
     "ModelLoadError",
     "RPCError",
+    "PlacementError",
     "rpc_server_path",
     "default_threads",
     "Engine",
@@ -45,6 +47,7 @@ def system_info() -> dict[str, object]:
     """What this build of stepmtp runs on: backend, build flags, llama.cpp commit and
     the patches applied to it."""
     from .binding import build_info, ensure_backend, ffi, lib
+    from .placement import buffer_type_names
     from .rpc import _local_devices
 
     ensure_backend()
@@ -70,6 +73,8 @@ def system_info() -> dict[str, object]:
         # this machine's GPUs llama.cpp would offload to (none on a CPU build, RPC or not)
         "gpus": [ffi.string(lib.ggml_backend_dev_description(d)).decode() for d in _local_devices()],
         "rpc": lib.ggml_backend_reg_by_name(b"RPC") != ffi.NULL,
+        # what -ot / override_tensor may name
+        "buffer_types": buffer_type_names(),
         "backend": ffi.string(lib.llama_print_system_info()).decode(),
         "build_type": info.get("build_type"),
         "build_flags": [f for f in info.get("build_flags", "").split(";") if f],

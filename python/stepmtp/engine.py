@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any, Iterator, Sequence
@@ -14,10 +15,13 @@ from typing import Any, Iterator, Sequence
 from .budget import ReasoningBudget
 from .llama import Context, LlamaError, Model, default_threads
 from .mtp import MTPDriver, Mode, Schedule, SpecConfig, Verify
+from .placement import Placement, check_kv_types, numa_init
 from .sampling import SamplingParams
 from .slots import Chunk, Completion, Request, Slots, StopType
 
 __all__ = ["Engine", "Completion", "Chunk", "SpecConfig", "SamplingParams", "StopType"]
+
+log = logging.getLogger("stepmtp.engine")
 
 class SlotBusy(ValueError):
     """The slot is generating: it cannot be saved, restored or erased now."""
@@ -39,6 +43,26 @@ class Engine:
             backend (or RPC servers are given), none on a CPU-only build.
         rpc: RPC servers for the target and the draft (MTP) model, ``"host:port,..."``
             (llama-server's ``--rpc``); they count as GPUs for ``n_gpu_layers``.
+        type_k, type_v: the target's KV cache types (``-ctk``, ``-ctv``): ``"f16"``
+            (default), ``"q8_0"``, ... (``placement.KV_TYPES``); a quantized V needs
+            flash attention (``flash_attn`` None or True).
+        type_k_draft, type_v_draft: every MTP head context's (``-ctkd``, ``-ctvd``;
+            default ``"f16"``, as llama-server's, whatever the target's).
+        override_tensor: tensor buffer overrides (``-ot``), ``"pattern=buffer type,..."``
+            or a list of such strings or of pairs; the first pattern found in a
+            tensor's name places it (``"exps=CPU"``: the experts in host memory).
+        cpu_moe, n_cpu_moe: every layer's MoE experts on the CPU (``-cmoe``), or the first
+            n layers' (``-ncmoe``); after ``override_tensor``'s patterns.
+        override_tensor_draft, cpu_moe_draft, n_cpu_moe_draft, devices_draft: the same for
+            a separate ``mtp_model`` (``-otd``, ``-cmoed``, ``-ncmoed``, ``-devd``); heads
+            in ``model`` are placed with its own tensors, by the options above.
+        devices: devices to offload to (``-dev``), ``"CUDA0,CUDA1"`` or a list, ``"none"``
+            for none; default: every GPU (and the RPC servers').
+        split_mode, tensor_split, main_gpu: across several GPUs (``-sm none|layer|row|tensor``,
+            ``-ts 3,1``, ``-mg``); also for ``mtp_model``.
+        use_mmap, use_mlock: memory-map the model files (``--no-mmap``: read them into
+            buffers), lock them in RAM (``--mlock``); for ``mtp_model`` too.
+        numa: ggml's NUMA strategy for the process (``--numa distribute|isolate|numactl``).
         n_parallel: slots (llama-server's ``-np``): this many generations decode
             together, batched into the same decodes; calls from several threads
             (``generate``, ``stream``) share the rounds.
@@ -92,6 +116,24 @@ class Engine:
         n_gpu_layers: int | str = "auto",
         n_gpu_layers_draft: int | str | None = None,
         rpc: str | Sequence[str] | None = None,
+        type_k: str = "f16",
+        type_v: str = "f16",
+        type_k_draft: str = "f16",
+        type_v_draft: str = "f16",
+        override_tensor: str | Sequence[str | tuple[str, str]] | None = None,
+        cpu_moe: bool = False,
+        n_cpu_moe: int = 0,
+        override_tensor_draft: str | Sequence[str | tuple[str, str]] | None = None,
+        cpu_moe_draft: bool = False,
+        n_cpu_moe_draft: int = 0,
+        devices: str | Sequence[str] | None = None,
+        devices_draft: str | Sequence[str] | None = None,
+        split_mode: str = "layer",
+        tensor_split: str | Sequence[float] | None = None,
+        main_gpu: int = 0,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        numa: str | None = None,
         n_parallel: int = 1,
         kv_unified: bool = False,
         swa_full: bool = False,
@@ -110,9 +152,25 @@ class Engine:
         if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
             raise ValueError(f"n_parallel must be a positive integer, not {n_parallel!r}")
         self.n_parallel = n_parallel
+        # every placement and KV option checked before anything loads
+        #: KV cache types (K, V) of the target's context and of the heads'
+        self.kv_types = {"target": (type_k, type_v), "draft": (type_k_draft, type_v_draft)}
+        check_kv_types(self.kv_types, flash_attn)
+        place = Placement.of(override_tensor=override_tensor, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
+                             devices=devices, split_mode=split_mode, tensor_split=tensor_split, main_gpu=main_gpu)
+        place_draft = Placement.of(override_tensor=override_tensor_draft, cpu_moe=cpu_moe_draft,
+                                   n_cpu_moe=n_cpu_moe_draft, devices=devices_draft, split_mode=split_mode,
+                                   tensor_split=tensor_split, main_gpu=main_gpu, draft=True)
+        for pl in (place, place_draft):
+            pl.check_names(defer_rpc=rpc is not None)
+        if mtp_model is None and (place_draft.override_tensor or place_draft.devices is not None):
+            log.warning("the draft placement options (-otd, -cmoed, -ncmoed, -devd) apply to a separate MTP "
+                        "model (mtp_model): the heads in %s are placed with its own tensors", model)
+        numa_init(numa)
+        load_kw: dict[str, Any] = dict(progress=progress, rpc=rpc, use_mmap=use_mmap, use_mlock=use_mlock)
         self._lock = threading.Lock()
         self._closed = False
-        self.model = Model(model, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc)
+        self.model = Model(model, n_gpu_layers=n_gpu_layers, placement=place, **load_kw)
         self.draft_model: Model | None = None
         self.target: Context | None = None
         #: one draft (MTP) context per head, bound to its block (None: a head these
@@ -124,14 +182,15 @@ class Engine:
                 n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                 n_threads_batch=n_threads_batch or threads, flash_attn=flash_attn, n_seq_max=n_parallel,
             )
-            self.target = Context(self.model, kv_unified=bool(kv_unified), swa_full=swa_full, **ctx_kw)
+            self.target = Context(self.model, kv_unified=bool(kv_unified), swa_full=swa_full, type_k=type_k,
+                                  type_v=type_v, **ctx_kw)
             if batch_invariant:
                 # every verify: each slot's id_last and drafts
                 self.target.batch_invariant = max(2, n_parallel * (self.spec.n_max + 1))
             if self.spec.mode != "none":
                 if mtp_model is not None:
                     ngl = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
-                    self.draft_model = Model(mtp_model, n_gpu_layers=ngl, progress=progress, rpc=rpc)
+                    self.draft_model = Model(mtp_model, n_gpu_layers=ngl, placement=place_draft, **load_kw)
                     if self.draft_model.n_vocab != self.model.n_vocab:
                         raise ValueError(
                             f"{mtp_model}: vocabulary of {self.draft_model.n_vocab} tokens, "
@@ -148,7 +207,7 @@ class Engine:
                 # target's (llama-server's one MTP stream holds the same cells)
                 self.draft_model.check_mtp()
                 used = MTPDriver.heads_used(self.spec, self.draft_model.n_mtp_blocks)
-                ctx_kw.update(n_ctx=self.target.n_ctx)
+                ctx_kw.update(n_ctx=self.target.n_ctx, type_k=type_k_draft, type_v=type_v_draft)
                 self.drafts = [None] * self.draft_model.n_mtp_blocks
                 for k in used:
                     # a draft decode outputs one row per sequence: a compute buffer

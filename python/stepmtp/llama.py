@@ -9,6 +9,7 @@ buffers, without copies: they are valid until the next ``decode`` on that contex
 from __future__ import annotations
 
 import os
+import re
 import sys
 import weakref
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .binding import ErrorCapture, LlamaError, ensure_backend, ffi, lib
+from .placement import Placement, kv_type
 from .rpc import Servers, parse_servers
 
-__all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "KVFullError", "default_threads"]
+__all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "KVFullError", "default_threads",
+           "shard_paths"]
 
 
 class ModelLoadError(LlamaError):
@@ -53,27 +56,37 @@ def _gpu_layers(n: int | str) -> int:
 #: llama.h's LLAMA_STATE_SEQ_FLAGS_SWA_ONLY: a sequence's sliding-window cells alone
 _SWA_ONLY = 1
 
-_KV_TYPES = {"f32": "GGML_TYPE_F32", "f16": "GGML_TYPE_F16", "bf16": "GGML_TYPE_BF16",
-             "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
+#: llama.cpp's split file names (llama_split_path): PREFIX-00001-of-00003.gguf
+_SHARD = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-def _kv_type(name: str) -> int:
-    try:
-        return getattr(lib, _KV_TYPES[name.lower()])
-    except KeyError:
-        raise ValueError(f"unknown KV cache type {name!r} ({', '.join(_KV_TYPES)})") from None
+def shard_paths(path: str | os.PathLike[str]) -> list[Path]:
+    """Every file of a model split into shards, as llama.cpp finds them from the first
+    one's name (``...-00001-of-0000N.gguf``); ``[path]`` for a name that is not a shard's."""
+    path = Path(path)
+    m = _SHARD.match(path.name)
+    if m is None:
+        return [path]
+    n = int(m["count"])
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
 
 
 def _check_gguf(path: Path) -> None:
     # llama.cpp reports these too, but only in its log; a direct reason reads better
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file")
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: not a regular file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r})")
+    shards = shard_paths(path)
+    if len(shards) > 1 and shards[0] != path:
+        raise ModelLoadError(f"{path}: a shard other than the first: load {shards[0].name} (llama.cpp finds "
+                             "the others from its name)")
+    for i, shard in enumerate(shards):
+        what = f"shard {i + 1} of {len(shards)}: {shard}" if len(shards) > 1 else str(shard)
+        if not shard.exists():
+            raise ModelLoadError(f"{path}: {what}: no such file" if i else f"{shard}: no such file")
+        if not shard.is_file():
+            raise ModelLoadError(f"{what}: not a regular file")
+        with open(shard, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{what}: not a GGUF file (magic {magic!r})")
 
 
 class _Progress:
@@ -130,18 +143,24 @@ class Model(_Closing):
     """A GGUF model loaded by llama.cpp.
 
     Args:
-        path: the .gguf file.
+        path: the .gguf file; for a model split into shards the first one
+            (``...-00001-of-0000N.gguf``), llama.cpp loads the others from its name.
         n_gpu_layers: layers to offload to the GPU (``"all"`` or -1 for all; 0 on CPU).
         rpc: RPC servers, ``"host:port,host:port"`` or a list (llama-server's ``--rpc``):
             their devices come first among the GPUs that ``n_gpu_layers`` fills.
-        use_mmap, use_mlock: as llama.cpp's options of the same names.
+        placement: tensor buffer overrides, devices, split mode (``placement.Placement``:
+            llama-server's ``-ot``, ``-cmoe``, ``-dev``, ``-sm``, ``-ts``, ``-mg``); buffer
+            types and devices may name this model's RPC servers'.
+        use_mmap, use_mlock: as llama.cpp's options of the same names (``--no-mmap``,
+            ``--mlock``).
         progress: True to draw a progress bar on stderr, or a callable taking a
             fraction in [0, 1].
         vocab_only: load only the vocabulary (tokenizing without weights).
 
     Raises:
-        ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it
-            (the message carries llama.cpp's reason, e.g. the missing tensor).
+        ModelLoadError: the file (or a shard) is missing, not a GGUF, or llama.cpp
+            refused it (the message carries llama.cpp's reason, e.g. the missing tensor).
+        PlacementError: a buffer type or device ``placement`` names does not exist.
         RPCError: an RPC server could not be reached or was lost during the load.
     """
 
@@ -155,6 +174,7 @@ class Model(_Closing):
         progress: bool | Callable[[float], None] = False,
         vocab_only: bool = False,
         rpc: str | Sequence[str] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         ensure_backend()
         self.path = Path(path)
@@ -173,6 +193,10 @@ class Model(_Closing):
         if servers:
             self.rpc = Servers(servers, n_gpu_layers=params.n_gpu_layers)
             params.devices = self.rpc.devices
+        self.placement = placement or Placement()
+        # what the parameters point into (override patterns, device lists): llama.cpp
+        # keeps the model's parameters, so this lives as long as the model
+        self._params_keep = self.placement.apply(params, self.rpc.remote_devices if self.rpc is not None else ())
         handle = None
         if progress:
             handle = ffi.new_handle(_Progress(self.path.name, progress if callable(progress) else None))
@@ -465,8 +489,8 @@ class Context(_Closing):
             (patch 0008), so rolled-back speculative rows are rewritten where plain
             decoding puts them (``swa_rows`` bounds a decode's rows per sequence).
         flash_attn: True, False, or None (llama.cpp decides).
-        type_k, type_v: KV cache types, as llama.cpp's -ctk / -ctv ("f16", "f32",
-            "bf16", "q8_0", "q4_0"; quantized V needs flash attention).
+        type_k, type_v: KV cache types, as llama.cpp's -ctk / -ctv (``placement.KV_TYPES``:
+            "f16", "q8_0", ...; a quantized V needs flash attention).
     """
 
     def __init__(
@@ -517,8 +541,8 @@ class Context(_Closing):
             True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[flash_attn]
-        params.type_k = _kv_type(type_k)
-        params.type_v = _kv_type(type_v)
+        params.type_k = kv_type(type_k, "type_k", mtp)
+        params.type_v = kv_type(type_v, "type_v", mtp)
         with ErrorCapture() as cap:
             ptr = lib.llama_init_from_model(model.ptr, params)
         if model.rpc is not None and model.rpc.lost():

@@ -60,7 +60,10 @@ class RPCError(LlamaError):
 def rpc_server_path() -> Path:
     """The ``rpc-server`` binary installed with the package (``python -m
     stepmtp.rpc_server`` runs it)."""
-    p = Path(__file__).resolve().parent / "bin" / ("rpc-server.exe" if os.name == "nt" else "rpc-server")
+    from importlib import resources
+
+    # through the package's resources: an editable install keeps the binaries apart from the sources
+    p = Path(str(resources.files(__package__).joinpath("bin", "rpc-server.exe" if os.name == "nt" else "rpc-server")))
     if not p.is_file():
         raise FileNotFoundError(f"{p}: not installed (this build was made with -DSTEPMTP_RPC=off)")
     return p
@@ -234,6 +237,8 @@ class Servers:
         devs: list = []
         for ep in self.endpoints:
             devs += _registry.devices_of(ep, timeout)
+        #: the servers' devices alone (what -dev and -ot may name besides the local ones)
+        self.remote_devices = devs
         # the servers first, as llama.cpp orders them (fewer transfers over the network)
         self.devices = ffi.new("ggml_backend_dev_t[]", devs + _local_devices() + [ffi.NULL])
         self.device_names = [ffi.string(lib.ggml_backend_dev_name(d)).decode() for d in devs]

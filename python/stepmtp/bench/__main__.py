@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-ngl", "--n-gpu-layers", dest="ngl", default=None,
                    help="layers offloaded to the GPU or the --rpc servers: a number or 'all' "
                         "(default: all with --rpc, else none)")
+    g = ap.add_argument_group("placement and KV cache (llama-server's flags, for every configuration)")
+    for names, meta in ((("-ctk", "--cache-type-k"), "TYPE"), (("-ctv", "--cache-type-v"), "TYPE"),
+                        (("-ctkd", "--cache-type-k-draft"), "TYPE"), (("-ctvd", "--cache-type-v-draft"), "TYPE")):
+        g.add_argument(*names, metavar=meta, default=None)
+    g.add_argument("-ncmoe", "--n-cpu-moe", metavar="N", type=int, default=None)
+    g.add_argument("-ot", "--override-tensor", metavar="PATTERN=BUFT,...", action="append", default=[])
+    g.add_argument("-cmoe", "--cpu-moe", action="store_true")
+    g.add_argument("--no-mmap", action="store_true")
     g = ap.add_argument_group("configurations")
     g.add_argument("--mode", "--mtp-mode", dest="mode", choices=["chain", "single", "none"], default="chain")
     g.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=3)
@@ -208,8 +216,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--rpc applies to the in-process engine (not --url or --server)")
     if args.rpc_vs_local and not args.rpc:
         ap.error("--rpc-vs-local needs --rpc SERVERS")
-    local_kw: dict[str, Any] = {} if args.ngl is None else {"n_gpu_layers": args.ngl}
-    rpc_kw: dict[str, Any] = {"rpc": args.rpc, "n_gpu_layers": "all" if args.ngl is None else args.ngl}
+    from ..placement import PlacementError
+
+    try:
+        place_kw, place_argv = _placement(args)
+    except PlacementError as e:
+        ap.error(f"{e.flag}: {e.detail}")
+    local_kw: dict[str, Any] = {**place_kw, **({} if args.ngl is None else {"n_gpu_layers": args.ngl})}
+    rpc_kw: dict[str, Any] = {**place_kw, "rpc": args.rpc, "n_gpu_layers": "all" if args.ngl is None else args.ngl}
     if args.batch_invariant:
         local_kw["batch_invariant"] = rpc_kw["batch_invariant"] = True
     if args.url and (args.compare or args.configs or args.server):
@@ -274,13 +288,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 runners.append(ServerRunner(c, path, mtp_model=args.mtp_model, n_ctx=s["ctx_size"],
                                             n_threads=s["threads"], llama_server=llama_server,
-                                            batch_invariant=args.batch_invariant))
+                                            batch_invariant=args.batch_invariant, placement_args=place_argv))
     settings = {**s, "configs": [c.label for c in cfgs], "backend": "url" if args.url else
                 ("server" if args.server else "engine"), "mtp_model": args.mtp_model,
                 "llama_server": str(llama_server) if llama_server else None, "temperature": 0.0,
                 "batch_invariant": args.batch_invariant}
     if args.rpc:
         settings.update(rpc=args.rpc, rpc_vs_local=args.rpc_vs_local, n_gpu_layers=rpc_kw["n_gpu_layers"])
+    if place_argv:
+        settings["placement"] = place_argv
     try:
         run = run_bench(prompts, runners, repeat=s["repeat"], warmup=s["warmup"], settings=settings,
                         progress=progress)
@@ -293,6 +309,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.model = model_info
     run.environment = R.environment(s["threads"])
     return report(run, args, baseline)
+
+
+def _placement(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """The placement and KV flags as Engine keywords and as the servers' flags."""
+    from ..placement import Placement, check_kv_types
+
+    kw: dict[str, Any] = {}
+    argv: list[str] = []
+    for flag, key in (("-ctk", "type_k"), ("-ctv", "type_v"), ("-ctkd", "type_k_draft"), ("-ctvd", "type_v_draft")):
+        v = getattr(args, key.replace("type", "cache_type"))
+        if v is not None:
+            kw[key] = v
+            argv += [flag, v]
+    for v in args.override_tensor:
+        argv += ["-ot", v]
+    if args.override_tensor:
+        kw["override_tensor"] = ",".join(args.override_tensor)
+    if args.cpu_moe:
+        kw["cpu_moe"] = True
+        argv += ["-cmoe"]
+    if args.n_cpu_moe is not None:
+        kw["n_cpu_moe"] = args.n_cpu_moe
+        argv += ["-ncmoe", str(args.n_cpu_moe)]
+    if args.no_mmap:
+        kw["use_mmap"] = False
+        argv += ["--no-mmap"]
+    # a bad value fails now, naming the flag, not at the first configuration's start
+    t = {k: kw.get(k, "f16") for k in ("type_k", "type_v", "type_k_draft", "type_v_draft")}
+    check_kv_types({"target": (t["type_k"], t["type_v"]), "draft": (t["type_k_draft"], t["type_v_draft"])}, None)
+    Placement.of(**{k: v for k, v in kw.items() if k in ("override_tensor", "cpu_moe", "n_cpu_moe")}).check_names(
+        defer_rpc=bool(args.rpc))
+    return kw, argv
 
 
 def _model_path(s: dict[str, Any], progress: bool) -> Path | None:

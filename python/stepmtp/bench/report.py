@@ -163,7 +163,8 @@ def markdown(run: BenchRun) -> str:
     npred = sorted({p.n_predict for p in run.prompts.prompts})
     out = [f"### {run.model.get('name', 'model')}: {n} prompts x {'/'.join(map(str, npred))} tokens, "
            f"temperature 0, {run.settings.get('threads') or (run.environment or {}).get('n_threads') or 'all'} threads, "
-           f"repeat {run.settings.get('repeat', 1)}", ""]
+           f"repeat {run.settings.get('repeat', 1)}"
+           + (f", {' '.join(run.settings['placement'])}" if run.settings.get("placement") else ""), ""]
     out += ["| config | accept | accept d1 / d2 / d3 | tok/s | x none | wall s | x none | tok/round "
             "| decodes/round tgt + dft | rows/round tgt + dft | python | KV MiB | peak RSS MiB |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

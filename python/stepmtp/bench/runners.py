@@ -318,23 +318,27 @@ def peak_rss(pid: int | str = "self") -> int | None:
 
 
 def llama_server_kv(model: str | Path, n_ctx: int, n_parallel: int, mtp: bool, n_ubatch: int = 512,
-                    mtp_model: str | Path | None = None) -> int:
+                    mtp_model: str | Path | None = None, kv_types: dict[str, tuple[str, str]] | None = None) -> int:
     """The KV bytes llama-server allocates for these flags (its defaults otherwise; -np
-    -1: auto, 4 slots sharing a unified cache): its target context and, with
-    draft-mtp, its one MTP context of all the blocks, made here through the same
-    llama.cpp and measured (its log prints them only with -v)."""
+    -1: auto, 4 slots sharing a unified cache; ``kv_types``: -ctk/-ctv as ``target``,
+    -ctkd/-ctvd as ``draft``): its target context and, with draft-mtp, its one MTP
+    context of all the blocks, made here through the same llama.cpp and measured (its
+    log prints them only with -v)."""
     from ..llama import Context, Model
 
+    types = {"target": ("f16", "f16"), "draft": ("f16", "f16"), **(kv_types or {})}
     unified, n_seq = (True, 4) if n_parallel < 0 else (False, n_parallel)
     kw = dict(n_ctx=n_ctx, n_seq_max=n_seq, kv_unified=unified, n_ubatch=n_ubatch, n_threads=1)
+    tk, tv = types["target"]
+    dk, dv = types["draft"]
     with Model(model) as m:
-        with Context(m, **kw) as t:
+        with Context(m, type_k=tk, type_v=tv, **kw) as t:
             kv = t.memory()["kv"]
         if mtp and mtp_model is None:
-            with Context(m, mtp=True, **kw) as d:
+            with Context(m, mtp=True, type_k=dk, type_v=dv, **kw) as d:
                 kv += d.memory()["kv"]
     if mtp and mtp_model is not None:
-        with Model(mtp_model) as dm, Context(dm, mtp=True, **kw) as d:
+        with Model(mtp_model) as dm, Context(dm, mtp=True, type_k=dk, type_v=dv, **kw) as d:
             kv += d.memory()["kv"]
     return kv
 
@@ -344,6 +348,16 @@ def kv_summary(mem: dict[str, dict[str, int]]) -> dict[str, int]:
     ``stepmtp.memory``): KV of target and draft, each and together, and compute."""
     return {"kv": mem["target"]["kv"] + mem["draft"]["kv"], "target_kv": mem["target"]["kv"],
             "draft_kv": mem["draft"]["kv"], "compute": mem["target"]["compute"] + mem["draft"]["compute"]}
+
+
+def kv_types_of(argv: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """-ctk / -ctv / -ctkd / -ctvd of a server's flags, as ``llama_server_kv`` takes them."""
+    def get(*names: str) -> str:
+        found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in names]
+        return found[-1] if found else "f16"
+
+    return {"target": (get("-ctk", "--cache-type-k"), get("-ctv", "--cache-type-v")),
+            "draft": (get("-ctkd", "--cache-type-k-draft"), get("-ctvd", "--cache-type-v-draft"))}
 
 
 class EngineRunner(Runner):
@@ -610,10 +624,11 @@ class ServerRunner(URLRunner):
     def __init__(self, config: BenchConfig, model: str | Path, *, mtp_model: str | Path | None = None,
                  n_ctx: int = 2048, n_threads: int | None = None, llama_server: str | Path | None = None,
                  startup_timeout: float = 600.0, timeout: float = 600.0, n_parallel: int = 1,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, placement_args: Sequence[str] = ()) -> None:
         super().__init__("http://127.0.0.1:0", config, timeout=timeout)
         self._kv_args = dict(model=model, n_ctx=n_ctx, n_parallel=-1 if config.slots < 0 else
-                             (config.slots or n_parallel), mtp=config.mode != "none", mtp_model=mtp_model)
+                             (config.slots or n_parallel), mtp=config.mode != "none", mtp_model=mtp_model,
+                             kv_types=kv_types_of(placement_args))
         if config.backend == "llama-server":
             exe = llama_server or find_llama_server()
             if exe is None:
@@ -640,6 +655,7 @@ class ServerRunner(URLRunner):
                 argv += ["--spec-adaptive" if config.adaptive else "--no-spec-adaptive"]
         if batch_invariant and config.backend == "server":
             argv += ["--spec-batch-invariant"]
+        argv += list(placement_args)  # llama-server's flags: the same for both servers
         self.process = ServerProcess(argv, startup_timeout=startup_timeout, label=config.label)
 
     def start(self) -> None:

@@ -34,12 +34,37 @@ enum llama_flash_attn_type {
 };
 
 enum ggml_type {
-    GGML_TYPE_F32  = 0,
-    GGML_TYPE_F16  = 1,
-    GGML_TYPE_Q4_0 = 2,
-    GGML_TYPE_Q8_0 = 8,
-    GGML_TYPE_BF16 = 30,
+    GGML_TYPE_F32    = 0,
+    GGML_TYPE_F16    = 1,
+    GGML_TYPE_Q4_0   = 2,
+    GGML_TYPE_Q4_1   = 3,
+    GGML_TYPE_Q5_0   = 6,
+    GGML_TYPE_Q5_1   = 7,
+    GGML_TYPE_Q8_0   = 8,
+    GGML_TYPE_IQ4_NL = 20,
+    GGML_TYPE_BF16   = 30,
     ...
+};
+const char * ggml_type_name(enum ggml_type type);
+
+enum llama_split_mode {
+    LLAMA_SPLIT_MODE_NONE   = 0,
+    LLAMA_SPLIT_MODE_LAYER  = 1,
+    LLAMA_SPLIT_MODE_ROW    = 2,
+    LLAMA_SPLIT_MODE_TENSOR = 3,
+};
+
+enum ggml_numa_strategy {
+    GGML_NUMA_STRATEGY_DISABLED   = 0,
+    GGML_NUMA_STRATEGY_DISTRIBUTE = 1,
+    GGML_NUMA_STRATEGY_ISOLATE    = 2,
+    GGML_NUMA_STRATEGY_NUMACTL    = 3,
+    ...
+};
+
+struct llama_model_tensor_buft_override {
+    const char * pattern;
+    ggml_backend_buffer_type_t buft;
 };
 
 typedef bool (*llama_progress_callback)(float progress, void * user_data);
@@ -57,8 +82,11 @@ typedef struct llama_batch {
 
 struct llama_model_params {
     ggml_backend_dev_t * devices;
+    const struct llama_model_tensor_buft_override * tensor_buft_overrides;
     int32_t n_gpu_layers;
+    enum llama_split_mode split_mode;
     int32_t main_gpu;
+    const float * tensor_split;
     llama_progress_callback progress_callback;
     void * progress_callback_user_data;
     bool vocab_only;
@@ -95,6 +123,8 @@ struct llama_model_params   llama_model_default_params(void);
 struct llama_context_params llama_context_default_params(void);
 
 void llama_backend_init(void);
+void llama_numa_init(enum ggml_numa_strategy numa);
+size_t llama_max_devices(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 const char * llama_print_system_info(void);
 bool llama_supports_gpu_offload(void);

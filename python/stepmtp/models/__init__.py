@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
@@ -26,6 +26,7 @@ __all__ = [
     "OUT_OF_CORPUS_PROMPTS",
     "default_model_path",
     "split_model",
+    "write_shards",
     "default_split_paths",
     "measure_acceptance",
 ]
@@ -306,26 +307,58 @@ def split_model(src: str | os.PathLike[str], out_dir: str | os.PathLike[str]) ->
                           ("mtp", lambda n: is_mtp(n) or _MTP_BLOCK.match(n) is None)):
         path = out / f"{src.stem}-{variant}.gguf"
         tmp = path.with_name(path.name + ".tmp")
-        w = gguf.GGUFWriter(str(tmp), arch)
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF.") or field.name == "general.architecture":
-                continue
-            vtype = field.types[0]
-            value = field.contents()
-            if field.name == "general.name":
-                value = f"{value} [{variant}]"
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(field.name, value, vtype, sub_type=sub)
-        for t in reader.tensors:
-            if keep(t.name):
-                w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        _copy_gguf(reader, tmp, keep, name_suffix=f" [{variant}]")
         os.replace(tmp, path)
         paths[variant] = path
     return paths
+
+
+def write_shards(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], n_shards: int,
+                 keep: Callable[[str], bool] = lambda name: True) -> list[Path]:
+    """Split a GGUF into ``n_shards`` files as llama.cpp's ``llama-gguf-split`` does:
+    ``STEM-00001-of-0000N.gguf``, ..., the metadata in the first, the tensors spread
+    in their order, each file saying its number and the count (``split.*`` keys).
+    ``keep``: which tensors to copy (all by default). Returns the shards in order;
+    load the first (``Model(paths[0])``)."""
+    import gguf
+
+    src = Path(src)
+    reader = gguf.GGUFReader(str(src))
+    n_tensors = sum(keep(t.name) for t in reader.tensors)
+    per_shard = -(-n_tensors // max(1, n_shards))
+    if n_shards < 2 or -(-n_tensors // per_shard) != n_shards:
+        raise ValueError(f"{n_tensors} tensors do not make {n_shards} shards of equal counts")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # gguf-py names the shards after the file it is given: STEM.gguf -> STEM-0000i-of-0000N.gguf
+    _copy_gguf(reader, out / src.name, keep, split_max_tensors=per_shard)
+    return [out / f"{src.stem}-{i:05d}-of-{n_shards:05d}.gguf" for i in range(1, n_shards + 1)]
+
+
+def _copy_gguf(reader: Any, path: Path, keep: Callable[[str], bool], *, name_suffix: str = "",
+               split_max_tensors: int = 0) -> None:
+    """Write ``reader``'s metadata and the tensors ``keep`` takes, as they are
+    (quantized or not), to ``path`` (into shards of ``split_max_tensors`` tensors)."""
+    import gguf
+
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "split.")) or field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        value = field.contents()
+        if field.name == "general.name":
+            value = f"{value}{name_suffix}"
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        if keep(t.name):
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def default_split_paths(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Path]:

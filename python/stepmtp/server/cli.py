@@ -122,6 +122,66 @@ class _Append(argparse.Action):
         setattr(ns, self.dest, cur + list(values))
 
 
+def _truthy(v: str) -> bool | None:
+    """llama-server's reading of a flag's environment variable: on / off, or None."""
+    if v in ("on", "enabled", "true", "1"):
+        return True
+    if v in ("off", "disabled", "false", "0"):
+        return False
+    return None
+
+
+class _Overrides(argparse.Action):
+    """-ot, -cmoe, -ncmoe (and the draft's -otd, -cmoed, -ncmoed): tensor buffer
+    overrides kept in one list in the order given, after the environment's, as
+    llama-server keeps them: a tensor goes where the first pattern found in its name says."""
+
+    def __init__(self, *args: Any, kind: str, draft: bool = False, **kw: Any) -> None:
+        self.kind, self.draft = kind, draft
+        super().__init__(*args, **kw)
+
+    def pairs(self, value: Any) -> list[tuple[str, str]]:
+        from ..placement import moe_overrides, parse_overrides
+
+        if self.kind == "ot":
+            return parse_overrides(value, self.draft)
+        if self.kind == "cmoe":
+            return moe_overrides(cpu_moe=True, draft=self.draft)
+        return moe_overrides(n_cpu_moe=_int(value), draft=self.draft)
+
+    def from_env(self, raw: str, current: Any) -> list[tuple[str, str]]:
+        new = self.pairs(raw) if self.kind != "cmoe" else (self.pairs(None) if _truthy(raw) else [])
+        return list(current or []) + new
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from ..placement import PlacementError
+
+        try:
+            new = self.pairs(values)
+        except PlacementError as e:
+            raise argparse.ArgumentError(self, e.detail) from None
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(ns, self.dest, list(getattr(ns, self.dest) or []) + new)
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def check(v: str) -> str:
+        if v not in allowed:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(allowed)}, got {v!r}")
+        return v
+    return check
+
+
+def _kv_cache_type(v: str) -> str:
+    from ..placement import KV_TYPES
+
+    if v not in KV_TYPES:
+        raise argparse.ArgumentTypeError(f"unsupported cache type {v!r} (allowed: {', '.join(KV_TYPES)})")
+    return v
+
+
 #: ours: (flag, metavar, ServerConfig field, default, what it bounds)
 LIMIT_FLAGS = (
     ("--max-body-size", "BYTES", "max_body_bytes", 32 << 20, "largest request body; larger: 413"),
@@ -133,7 +193,7 @@ LIMIT_FLAGS = (
     ("--max-queue", "N", "max_queue", 256, "requests waiting for a slot at most, -1 for no bound; past it: 503"),
 )
 
-#: flag -> environment variable (llama-server's names)
+#: flag (its first spelling) -> environment variable (llama-server's names)
 ENV: dict[str, str] = {}
 
 
@@ -153,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
             kw["help"] = (kw.get("help") or "") + f" (env: {env})"
         action = group.add_argument(*names, **kw)
         if env:
-            ENV[action.dest] = env
+            ENV[action.option_strings[0]] = env
 
     g = ap.add_argument_group("model")
     add(g, "-m", "--model", metavar="FNAME", dest="model", env="LLAMA_ARG_MODEL",
@@ -235,6 +295,60 @@ def build_parser() -> argparse.ArgumentParser:
              "their devices count as GPUs for -ngl / --spec-draft-ngl (see python -m stepmtp.rpc_server)")
     add(g, "-fa", "--flash-attn", metavar="on|off|auto", dest="flash_attn", type=_on_off_auto, default=None,
         env="LLAMA_ARG_FLASH_ATTN", help="flash attention (default: auto)")
+
+    g = ap.add_argument_group("placement and KV cache (llama-server's; the GPU ones do nothing on a CPU build)")
+    add(g, "-ot", "--override-tensor", metavar="<tensor name pattern>=<buffer type>,...", dest="tensor_overrides",
+        action=_Overrides, kind="ot", default=[], env="LLAMA_ARG_OVERRIDE_TENSOR",
+        help="override tensor buffer type, e.g. 'exps=CPU' (the first pattern found in a tensor's name wins)")
+    add(g, "-cmoe", "--cpu-moe", dest="tensor_overrides", action=_Overrides, kind="cmoe", nargs=0,
+        env="LLAMA_ARG_CPU_MOE", help="keep all Mixture of Experts (MoE) weights in the CPU")
+    add(g, "-ncmoe", "--n-cpu-moe", metavar="N", dest="tensor_overrides", action=_Overrides, kind="ncmoe",
+        env="LLAMA_ARG_N_CPU_MOE", help="keep the Mixture of Experts (MoE) weights of the first N layers in the CPU")
+    add(g, "-ctk", "--cache-type-k", metavar="TYPE", dest="cache_type_k", type=_kv_cache_type, default="f16",
+        env="LLAMA_ARG_CACHE_TYPE_K", help="KV cache data type for K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, "
+                                           "q5_0, q5_1 (default: f16)")
+    add(g, "-ctv", "--cache-type-v", metavar="TYPE", dest="cache_type_v", type=_kv_cache_type, default="f16",
+        env="LLAMA_ARG_CACHE_TYPE_V", help="KV cache data type for V, as -ctk; a quantized V needs flash "
+                                           "attention (-fa auto or on) (default: f16)")
+    add(g, "--mmap", dest="use_mmap", action="store_const", const=True, default=True, env="LLAMA_ARG_MMAP",
+        help="memory-map the model (default: enabled)")
+    add(g, "--no-mmap", dest="use_mmap", action="store_const", const=False,
+        help="read the model into memory instead (slower load, may reduce pageouts without --mlock)")
+    add(g, "--mlock", dest="use_mlock", action="store_true", env="LLAMA_ARG_MLOCK",
+        help="force the system to keep the model in RAM rather than swapping or compressing")
+    add(g, "--numa", metavar="TYPE", dest="numa", type=_choice("distribute", "isolate", "numactl"), default=None,
+        env="LLAMA_ARG_NUMA", help="NUMA optimizations: distribute (spread execution evenly over all nodes), "
+                                   "isolate (threads on the node execution started on), numactl (the CPU map "
+                                   "numactl gives)")
+    add(g, "-dev", "--device", metavar="<dev1,dev2,..>", dest="devices", env="LLAMA_ARG_DEVICE",
+        help="comma-separated list of devices to offload to (none = don't offload); see --list-devices")
+    add(g, "--list-devices", dest="list_devices", action="store_true", help="print the available devices and exit")
+    add(g, "-sm", "--split-mode", metavar="{none,layer,row,tensor}", dest="split_mode",
+        type=_choice("none", "layer", "row", "tensor"), default="layer", env="LLAMA_ARG_SPLIT_MODE",
+        help="how to split the model across GPUs: none (one GPU), layer (layers and KV, default), row (weights "
+             "by rows), tensor (weights and KV, experimental)")
+    add(g, "-ts", "--tensor-split", metavar="N0,N1,N2,...", dest="tensor_split", env="LLAMA_ARG_TENSOR_SPLIT",
+        help="fraction of the model to offload to each GPU, comma-separated proportions, e.g. 3,1")
+    add(g, "-mg", "--main-gpu", metavar="INDEX", dest="main_gpu", type=_int, default=0, env="LLAMA_ARG_MAIN_GPU",
+        help="the GPU for the whole model (-sm none), or for intermediate results and KV (-sm row) (default: 0)")
+    add(g, "--spec-draft-type-k", "-ctkd", "--cache-type-k-draft", metavar="TYPE", dest="cache_type_k_draft",
+        type=_kv_cache_type, default="f16", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
+        help="KV cache data type for K of every MTP head context (default: f16)")
+    add(g, "--spec-draft-type-v", "-ctvd", "--cache-type-v-draft", metavar="TYPE", dest="cache_type_v_draft",
+        type=_kv_cache_type, default="f16", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V",
+        help="KV cache data type for V of every MTP head context (default: f16)")
+    add(g, "--spec-draft-override-tensor", "-otd", "--override-tensor-draft",
+        metavar="<tensor name pattern>=<buffer type>,...", dest="tensor_overrides_draft", action=_Overrides,
+        kind="ot", draft=True, default=[], help="override tensor buffer type for the draft (MTP) model")
+    add(g, "--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft", dest="tensor_overrides_draft", action=_Overrides,
+        kind="cmoe", draft=True, nargs=0, env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE",
+        help="keep all MoE weights of the draft (MTP) model in the CPU")
+    add(g, "--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft", metavar="N",
+        dest="tensor_overrides_draft", action=_Overrides, kind="ncmoe", draft=True,
+        env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE",
+        help="keep the MoE weights of the first N layers of the draft (MTP) model in the CPU")
+    add(g, "--spec-draft-device", "-devd", "--device-draft", metavar="<dev1,dev2,..>", dest="devices_draft",
+        help="comma-separated list of devices to offload the draft (MTP) model to (none = don't offload)")
 
     g = ap.add_argument_group("sampling (a request's own values win)")
     d = SamplingParams()
@@ -367,17 +481,28 @@ def _normalize(argv: Sequence[str]) -> list[str]:
 
 
 def _env_defaults(ap: argparse.ArgumentParser) -> None:
-    actions = {a.dest: a for a in ap._actions}
-    for dest, env in ENV.items():
+    from ..placement import PlacementError
+
+    actions = {a.option_strings[0]: a for a in ap._actions if a.option_strings}
+    for flag, env in ENV.items():
         raw = os.environ.get(env)
         if raw is None:
             continue
-        a = actions[dest]
+        a = actions[flag]
         try:
-            val: Any = a.type(raw) if a.type else raw  # type: ignore[operator]
-        except argparse.ArgumentTypeError as e:
-            ap.error(f"environment variable {env}: {e}")
-        ap.set_defaults(**{dest: val})
+            val: Any
+            if isinstance(a, _Overrides):
+                val = a.from_env(raw, ap.get_default(a.dest))
+            elif a.nargs == 0:  # a flag: set by on / true / 1 / enabled, the other way by off / ...
+                on = _truthy(raw)
+                if on is None:
+                    raise argparse.ArgumentTypeError(f"expected on or off, got {raw!r}")
+                val = a.const if on else (not a.const if isinstance(a.const, bool) else ap.get_default(a.dest))
+            else:
+                val = a.type(raw) if a.type else raw  # type: ignore[operator]
+        except (argparse.ArgumentTypeError, PlacementError) as e:
+            ap.error(f"environment variable {env}: {getattr(e, 'detail', e)}")
+        ap.set_defaults(**{a.dest: val})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
@@ -385,6 +510,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     ap = build_parser()
     _env_defaults(ap)
     args = ap.parse_args(_normalize(sys.argv[1:] if argv is None else argv))
+    if args.list_devices:
+        from ..placement import list_devices
+
+        print("Available devices:")
+        for name, desc, total, free in list_devices():
+            print(f"  {name}: {desc} ({total >> 20} MiB, {free >> 20} MiB free)")
+        ap.exit(0)
     try:
         return _to_config(args)
     except ArgError as e:
@@ -414,10 +546,13 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         check(v is None or v >= -1, f"invalid value for {flag}: {v}")
     for flag, v in (("-ngl", a.ngl), ("--spec-draft-ngl", a.ngl_draft)):
         check(not isinstance(v, int) or v >= -2, f"invalid value for {flag}: {v}")
-    if a.model is not None:
-        check(Path(a.model).is_file(), f"model file not found: {a.model}")
-    if a.mtp_model is not None:
-        check(Path(a.mtp_model).is_file(), f"draft (MTP) model file not found: {a.mtp_model}")
+    from ..llama import shard_paths
+
+    # -m names a model's first shard: llama.cpp loads the others from its name
+    for what, fname in (("model", a.model), ("draft (MTP) model", a.mtp_model)):
+        for shard in shard_paths(fname) if fname is not None else ():
+            check(shard.is_file(), f"{what} file not found: {shard}")
+    placement, placement_draft = _placement(a)
     chat_template = a.chat_template
     if a.chat_template_file:
         try:
@@ -484,6 +619,15 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         n_gpu_layers_draft=a.ngl_draft,
         rpc=a.rpc or [],
         flash_attn=a.flash_attn,
+        placement=placement,
+        placement_draft=placement_draft,
+        cache_type_k=a.cache_type_k,
+        cache_type_v=a.cache_type_v,
+        cache_type_k_draft=a.cache_type_k_draft,
+        cache_type_v_draft=a.cache_type_v_draft,
+        use_mmap=a.use_mmap,
+        use_mlock=a.use_mlock,
+        numa=a.numa,
         seed=a.seed,
         n_predict=a.n_predict,
         sampling=sampling,
@@ -512,13 +656,35 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
     )
 
 
+def _placement(a: argparse.Namespace) -> tuple[Any, Any]:
+    """The target's and the draft model's Placement; a buffer type or device no
+    device here has is an error now, as in llama-server (an RPC server's: at the load,
+    once connected)."""
+    from ..placement import Placement, PlacementError, check_kv_types
+
+    try:
+        out = []
+        for draft in (False, True):
+            pl = Placement.of(override_tensor=a.tensor_overrides_draft if draft else a.tensor_overrides,
+                              devices=a.devices_draft if draft else a.devices, split_mode=a.split_mode,
+                              tensor_split=a.tensor_split, main_gpu=a.main_gpu, draft=draft)
+            pl.check_names(defer_rpc=bool(a.rpc))
+            out.append(pl)
+        check_kv_types({"target": (a.cache_type_k, a.cache_type_v),
+                        "draft": (a.cache_type_k_draft, a.cache_type_v_draft)}, a.flash_attn)
+    except PlacementError as e:
+        raise ArgError(f"invalid value for {e.flag}: {e.detail}") from None
+    return out[0], out[1]
+
+
 def setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
-    logging.getLogger("stepmtp.llama").setLevel(logging.INFO if verbose else logging.WARNING)
+    # llama-server -v prints llama.cpp's debug lines too (where each tensor went, ...): load time only
+    logging.getLogger("stepmtp.llama").setLevel(logging.DEBUG if verbose else logging.WARNING)
     logging.getLogger("gguf").setLevel(logging.WARNING)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         lg = logging.getLogger(name)

@@ -10,6 +10,7 @@ from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ..engine import Engine
+    from ..placement import Placement
 
 #: llama.cpp's LLAMA_DEFAULT_SEED: "a random seed", as llama-server reports it
 DEFAULT_SEED = 0xFFFFFFFF
@@ -77,6 +78,20 @@ class ServerConfig:
     #: --rpc: RPC servers (host:port) holding offloaded layers of the model and the draft model
     rpc: list[str] = field(default_factory=list)
     flash_attn: bool | None = None
+    #: -ot / -cmoe / -ncmoe, -dev, -sm, -ts, -mg: where the model goes (None: llama.cpp's defaults)
+    placement: Placement | None = None
+    #: -otd / -cmoed / -ncmoed, -devd (with -sm, -ts, -mg): where a separate MTP model goes
+    placement_draft: Placement | None = None
+    #: -ctk / -ctv: the target's KV cache types; -ctkd / -ctvd: every MTP head context's
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    cache_type_k_draft: str = "f16"
+    cache_type_v_draft: str = "f16"
+    #: --mmap / --no-mmap, --mlock
+    use_mmap: bool = True
+    use_mlock: bool = False
+    #: --numa: distribute, isolate, numactl (None: ggml's default)
+    numa: str | None = None
     #: --seed; -1 (or 4294967295): random
     seed: int = -1
     #: -n: n_predict of a request that gives none; -1: no limit
@@ -193,4 +208,24 @@ class ServerConfig:
             seed=self.seed if 0 <= self.seed < DEFAULT_SEED else -1,
             flash_attn=self.flash_attn,
             batch_invariant=self.batch_invariant,
+            type_k=self.cache_type_k,
+            type_v=self.cache_type_v,
+            type_k_draft=self.cache_type_k_draft,
+            type_v_draft=self.cache_type_v_draft,
+            use_mmap=self.use_mmap,
+            use_mlock=self.use_mlock,
+            numa=self.numa,
+            **self._placement_kw(),
         )
+
+    def _placement_kw(self) -> dict[str, Any]:
+        """The Engine keywords of the two placements (the overrides as they were
+        given, in their order: -cmoe / -ncmoe already among them)."""
+        out: dict[str, Any] = {}
+        for pl, sfx in ((self.placement, ""), (self.placement_draft, "_draft")):
+            if pl is not None:
+                out.update({"override_tensor" + sfx: list(pl.override_tensor), "devices" + sfx: pl.devices})
+        pl = self.placement or self.placement_draft
+        if pl is not None:
+            out.update(split_mode=pl.split_mode, tensor_split=list(pl.tensor_split) or None, main_gpu=pl.main_gpu)
+        return out
