@@ -600,7 +600,7 @@ def test_flash_keeps_predictions(shaped, request):
 
 
 def test_flash_estimate():
-    """Step-3.5-Flash's ratios from its configuration (the README's table)."""
+    """Step-3.5-Flash's ratios from its configuration (docs/performance.md, "Costs")."""
     from stepmtp.bench.flash import FLASH, decode_params, estimate_costs
 
     ratios, text = estimate_costs()

@@ -5,7 +5,7 @@ but only for that build: llama.cpp's CPU kernels are compiled for the build mach
 (GGML_NATIVE) and other kernels round differently, so the greedy texts and every count
 on them change from one CPU to another. What does not depend on rounding is tested
 exactly; the acceptance bars sit below the spread measured across CPU builds (the
-README's table, tools/cpu_variants.sh).
+table in docs/bundled-model.md, tools/cpu_variants.sh).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ N_PREDICT = 160
 # Statistical bars, about 20% below the lowest of four builds on this project's machine
 # (AMD EPYC, AVX2): this tree's native build and three builds of an earlier tree for other
 # CPU feature levels (AVX, SSE4.2, AVX2 without llamafile), whose greedy texts differ
-# from the native build's (README, "The bundled model"):
+# from the native build's (docs/bundled-model.md):
 #                               held-in          out-of-corpus
 #   chain n-max 3 rate          0.711 .. 0.732   0.766 .. 0.797
 #   chain 3 - single 3          0.179 .. 0.198   0.209 .. 0.246

@@ -2,7 +2,7 @@
 server with the MTP heads drafting (``tools/llama_server_suite.py``): the files whose
 checks do not hang on the text of the suite's own model pass whole here (chat
 templates, tool calls, the Responses API with its text regexes relaxed). The rest
-of the suite, and why each remaining failure is the other model's, is in the README."""
+of the suite, and why each remaining failure is the other model's, is in docs/server.md."""
 from __future__ import annotations
 
 import json

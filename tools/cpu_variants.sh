@@ -10,7 +10,7 @@
 # GGML_NATIVE compiles llama.cpp's CPU kernels for the build machine; other kernels
 # round differently, the bundled model's greedy text changes and with it every count.
 # A variant whose instructions this CPU lacks is skipped (an AVX-512 build needs an
-# AVX-512 CPU to run). The README's table of builds (under "The bundled model") is
+# AVX-512 CPU to run). The table of builds in docs/bundled-model.md is
 # what this printed on the project's machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -18,7 +18,7 @@ byte (how the model before 08feade's was made from d535fcb's):
 
 A fine-tune (phase 1 again from a model's weights, on the whole standard library but
 the held-out modules, then phase 2); how the shipped model was made from 08feade's
-(git show 08feade:python/stepmtp/models/stdlib-q8_0.gguf > base.gguf; see the README):
+(git show 08feade:python/stepmtp/models/stdlib-q8_0.gguf > base.gguf; see docs/bundled-model.md):
 
     python tools/train_default_model.py --finetune base.gguf --out python/stepmtp/models/ \
         --steps 2000 --lr 1.5e-3 --warmup 50 --head-weight 1.5 --head-steps 3000 --head-lr 2e-3

@@ -4,7 +4,7 @@
 head-wise attention gate, q/k norms, a dense layer then sigmoid-routed MoE layers with
 a router bias and a shared expert, three appended MTP blocks with their own shared
 heads) trained on the CPython standard library's sources by
-``tools/train_default_model.py`` (see the README). Its heads are embedded;
+``tools/train_default_model.py`` (see docs/bundled-model.md). Its heads are embedded;
 :func:`split_model` writes the trunk + MTP-only pair from it.
 
 >>> from stepmtp import Engine
