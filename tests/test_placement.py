@@ -333,13 +333,15 @@ def shards(path, tmp_path_factory):
 
 def test_shards_load_and_answer_the_same(path, shards):
     assert shard_paths(shards["embedded"][0]) == shards["embedded"]
-    with Engine(path, mode="chain", n_ctx=512, n_threads=1) as eng:
+    with Engine(path, mode="chain", n_ctx=512, n_threads=1, adaptive=False) as eng:
         want = eng.generate(EVAL_PROMPTS[1], n_predict=64, temperature=0)
-    with Engine(shards["embedded"][0], mode="chain", n_ctx=512, n_threads=1, use_mmap=False) as eng:
+    with Engine(shards["embedded"][0], mode="chain", n_ctx=512, n_threads=1, use_mmap=False,
+                adaptive=False) as eng:
         assert eng.model.has_mtp
         got = eng.generate(EVAL_PROMPTS[1], n_predict=64, temperature=0)
     assert got.tokens == want.tokens and got.stats.n_accepted == want.stats.n_accepted
-    with Engine(shards["trunk"][0], mtp_model=shards["mtp"][0], mode="chain", n_ctx=512, n_threads=1) as eng:
+    with Engine(shards["trunk"][0], mtp_model=shards["mtp"][0], mode="chain", n_ctx=512, n_threads=1,
+                adaptive=False) as eng:
         assert eng.generate(EVAL_PROMPTS[1], n_predict=64, temperature=0).tokens == want.tokens
 
 

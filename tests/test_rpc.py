@@ -87,7 +87,8 @@ def agree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def generate(model: Path, mode: str, **kw) -> tuple[list[int], int]:
-    with Engine(model, mode=mode, n_ctx=N_CTX, **kw) as eng:
+    # a fixed draft length: its counts are compared
+    with Engine(model, mode=mode, n_ctx=N_CTX, adaptive=False, **kw) as eng:
         out = eng.generate(PROMPT, n_predict=N, temperature=0)
         return out.tokens, out.stats.n_accepted
 

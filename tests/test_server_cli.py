@@ -158,7 +158,9 @@ def test_reference_command_runs(split_pair, tmp_path):
                 n_threads=1) as eng:
         want = eng.generate(PROMPT, n_predict=24, temperature=0)
     assert body["content"] == want.text and body["generation_settings"]["temperature"] == 0
-    assert body["timings"]["draft_n"] == want.stats.n_drafted
+    # the draft length is chosen round by round (the default): the counts follow the
+    # machine's timings, n-max bounds them
+    assert body["timings"]["draft_n"] == sum(body["mtp"]["draft_n_per_depth"])
     assert body["mtp"]["draft_n_per_depth"][2] == 0  # n-max 2: no third draft
     for needle in ("MTP heads: 3", "mode chain", "n_max 2", "n_ctx 35", "listening"):
         assert needle in log, needle
