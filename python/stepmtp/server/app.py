@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,7 +32,7 @@ from .middleware import GateMiddleware, HeadersMiddleware
 from .routes import admin, anthropic, native, openai, responses
 from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OAICompletionRequest,
                       TokenizeRequest, format_validation_error)
-from .service import GenerationService
+from .service import ClientGone, GenerationService
 from .state import ServerState
 
 __all__ = ["create_app", "ServerState"]
@@ -74,7 +74,8 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
 def _error_handlers(app: FastAPI) -> None:
     """Every error as llama-server's JSON error: a 400 for a body the models refuse,
-    its "File Not Found" for a 404, a 500 naming the exception for the unexpected."""
+    its "File Not Found" for a 404, a 500 naming the exception for the unexpected;
+    499 and no body when the client left before its answer."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -92,6 +93,10 @@ def _error_handlers(app: FastAPI) -> None:
             body = error_body(str(exc.detail), "invalid_request_error")
             body["error"]["code"] = exc.status_code
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:

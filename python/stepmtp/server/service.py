@@ -1,7 +1,8 @@
 """The generation service the routers share: a request's settings and prompts become
-the worker's jobs (``prepare``, ``submit``), then results (``run_all``) or a stream
-(``first_items``, ``stream_events``). It holds what every route needs (the state and
-the configuration) and knows nothing of HTTP beyond a client that may disconnect.
+the worker's generations (``prepare``, ``chat_jobs``), then results (``results``) or
+a stream (``start``, then ``stream_events`` with the API's emitters). It holds what
+every route needs (the state and the configuration) and knows nothing of HTTP beyond
+a client that may leave (``ClientGone``, answered 499).
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class GenerationService:
         for toks in prompts:
             if not toks:
                 raise bad_request("the prompt is empty")
-            _check_tokens(eng, toks)
+            check_tokens(eng, toks)
             if len(toks) >= eng.n_ctx:
                 raise APIError(f"request ({len(toks)} tokens) exceeds the available context size "
                                f"({eng.n_ctx} tokens), try increasing it", "exceed_context_size_error",
@@ -158,6 +159,11 @@ class GenerationService:
         except ValueError as e:
             raise bad_request(str(e)) from None
 
+    async def prompt_tokens(self, eng: Engine, prompts: list[PromptPieces]) -> list[list[int]]:
+        """A completion request's prompts as token ids, llama-server's way (``tokenize_pieces``)."""
+        return await off_loop(sum(map(pieces_size, prompts)),
+                              lambda: [tokenize_pieces(eng, p, True, True) for p in prompts])
+
     def result_info(self, eng: Engine, settings: F.Settings) -> F.ResultInfo:
         st = self.state
         return F.ResultInfo(model=st.model_name, n_ctx=eng.n_ctx, settings=settings, mtp_mode=st.mtp_mode(),
@@ -189,12 +195,14 @@ class GenerationService:
                     job.cancel()
                     raise ClientGone() from None
 
-    def raise_job_error(self, err: BaseException) -> None:
-        if isinstance(err, Cancelled):
-            raise APIError(str(err), "unavailable_error")
-        if isinstance(err, ValueError):
-            raise bad_request(str(err))
-        raise APIError(f"generation failed: {type(err).__name__}: {err}", "server_error")
+    async def results(self, gens: list[GenRequest], request: Client) -> list[Completion]:
+        """Run the generations to the end (``ClientGone`` if the client leaves first)."""
+        return await self.run_all([self.submit(g) for g in gens], request)
+
+    async def start(self, gen: GenRequest, request: Client) -> tuple[Job, list[tuple[str, Any]]]:
+        """Start a streamed generation: its job and first items (``first_items``)."""
+        job = self.submit(gen)
+        return job, await self.first_items(job, request)
 
     async def run_all(self, jobs: list[Job], request: Client) -> list[Completion]:
         out: list[Completion] = []
@@ -207,7 +215,7 @@ class GenerationService:
                         out.append(payload)
                         break
                     if kind == "error":
-                        self.raise_job_error(payload)
+                        _raise_job_error(payload)
         finally:
             for job in jobs:
                 job.cancel()  # a no-op for the finished ones
@@ -223,7 +231,7 @@ class GenerationService:
             raise
         for kind, payload in items:
             if kind == "error":
-                self.raise_job_error(payload)
+                _raise_job_error(payload)
         return items
 
     async def stream_events(self, job: Job, items: list[tuple[str, Any]],
@@ -304,6 +312,14 @@ class GenerationService:
         return fmt, gens, info
 
 
+def _raise_job_error(err: BaseException) -> None:
+    if isinstance(err, Cancelled):
+        raise APIError(str(err), "unavailable_error")
+    if isinstance(err, ValueError):
+        raise bad_request(str(err))
+    raise APIError(f"generation failed: {type(err).__name__}: {err}", "server_error")
+
+
 def default_settings(st: ServerState) -> F.Settings:
     cfg = st.cfg
     return F.Settings(sampling=cfg.sampling, seed=cfg.seed_u32, n_predict=cfg.n_predict, stop=[], stream=False,
@@ -318,11 +334,11 @@ async def off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any)
     return fn(*args, **kwargs)
 
 
-def _size(pieces: PromptPieces) -> int:
+def pieces_size(pieces: PromptPieces) -> int:
     return sum(len(p) if isinstance(p, str) else 1 for p in pieces)
 
 
-def _tokenize_pieces(eng: Engine, pieces: PromptPieces, add_special: bool, parse_special: bool) -> list[int]:
+def tokenize_pieces(eng: Engine, pieces: PromptPieces, add_special: bool, parse_special: bool) -> list[int]:
     """llama-server's tokenize_mixed(): strings tokenized (special tokens added only
     when the first piece is a string), token ids kept."""
     out: list[int] = []
@@ -334,7 +350,7 @@ def _tokenize_pieces(eng: Engine, pieces: PromptPieces, add_special: bool, parse
     return out
 
 
-def _check_tokens(eng: Engine, tokens: list[int]) -> None:
+def check_tokens(eng: Engine, tokens: list[int]) -> None:
     n = eng.model.n_vocab
     for t in tokens:
         if not 0 <= t < n:

@@ -1,13 +1,13 @@
 """The HTTP side the routers share: the generation service a request's app holds,
 request bodies read under the size limit and validated, a body's schema in the
-OpenAPI spec, and the responses for a stream and for a client gone."""
+OpenAPI spec, and the response that streams a job's events."""
 from __future__ import annotations
 
 import json
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
@@ -61,10 +61,6 @@ async def read_body(request: Request) -> bytes:
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-def gone() -> Response:
-    return Response(status_code=499)
 
 
 class SSEResponse(StreamingResponse):

@@ -18,8 +18,7 @@ router = APIRouter()
 
 @router.post("/v1/messages", tags=["anthropic"], summary="Anthropic's Messages API (stream: Anthropic's events)")
 async def anthropic_messages(request: Request) -> Any:
-    st = service(request).state
-    st.need_engine()
+    service(request).state.need_engine()
     req = await converted_request(request, to_anthropic_openai)
     msg_id = F.random_id("msg_")
     return await answer_converted(
@@ -30,7 +29,6 @@ async def anthropic_messages(request: Request) -> Any:
 @router.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
 async def anthropic_count_tokens(request: Request) -> dict[str, int]:
     svc = service(request)
-    st = svc.state
-    eng = st.need_engine()
+    eng = svc.state.need_engine()
     _, _, toks = await svc.chat_tokens(eng, await converted_request(request, to_anthropic_openai))
     return {"input_tokens": len(toks)}

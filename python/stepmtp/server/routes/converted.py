@@ -14,8 +14,7 @@ from .. import formats as F
 from ..chat import message_json as chat_message
 from ..errors import bad_request
 from ..schemas import ChatCompletionRequest, format_validation_error
-from ..service import ClientGone
-from ..web import SSEResponse, gone, read_json, service
+from ..web import SSEResponse, read_json, service
 from ..worker import GenRequest
 
 
@@ -35,20 +34,12 @@ async def answer_converted(request: Request, req: ChatCompletionRequest,
     completion and its parsed message) or, streamed, its events object (``start()``,
     ``feed(delta)``, ``finish(completion, message)``: lists of SSE text)."""
     svc = service(request)
-    st = svc.state
-    eng = st.need_engine()
+    eng = svc.state.need_engine()
     fmt, gens, info = await svc.chat_jobs(eng, req)
     if not req.stream:
-        try:
-            (c,) = await svc.run_all([svc.submit(gens[0])], request)
-        except ClientGone:
-            return gone()
+        (c,) = await svc.results(gens[:1], request)
         return JSONResponse(whole(c, chat_message(fmt.parser(), c.text), info))
-    job = svc.submit(gens[0])
-    try:
-        items = await svc.first_items(job, request)
-    except ClientGone:
-        return gone()
+    job, items = await svc.start(gens[0], request)
     parser = fmt.parser()
     events = events_for(info, gens[0])
 

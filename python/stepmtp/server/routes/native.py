@@ -12,8 +12,8 @@ from ...engine import Completion
 from .. import formats as F
 from ..errors import APIError
 from ..schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from ..service import ClientGone, _check_tokens, _size, _tokenize_pieces, off_loop
-from ..web import SSEResponse, body, gone, json_body, service
+from ..service import check_tokens, off_loop, pieces_size, tokenize_pieces
+from ..web import SSEResponse, body, json_body, service
 
 router = APIRouter()
 
@@ -41,14 +41,13 @@ for what, paths in not_served.items():
 @router.post("/tokenize", tags=["tokens"], openapi_extra=json_body(TokenizeRequest),
              summary="Text to token ids")
 async def tokenize(request: Request) -> dict[str, Any]:
-    st = service(request).state
-    eng = st.need_engine()
+    eng = service(request).state.need_engine()
     req = await body(request, TokenizeRequest)
-    tokens = await off_loop(_size(req.content), _tokenize_pieces, eng, req.content, req.add_special,
+    tokens = await off_loop(pieces_size(req.content), tokenize_pieces, eng, req.content, req.add_special,
                             req.parse_special)
     if not req.with_pieces:
         return {"tokens": tokens}
-    _check_tokens(eng, tokens)  # ids given as such have no piece when out of range
+    check_tokens(eng, tokens)  # ids given as such have no piece when out of range
     out = []
     for t in tokens:
         piece = eng.model.token_to_piece(t, special=True)
@@ -63,10 +62,9 @@ async def tokenize(request: Request) -> dict[str, Any]:
 @router.post("/detokenize", tags=["tokens"], openapi_extra=json_body(DetokenizeRequest),
              summary="Token ids to text")
 async def detokenize(request: Request) -> dict[str, str]:
-    st = service(request).state
-    eng = st.need_engine()
+    eng = service(request).state.need_engine()
     req = await body(request, DetokenizeRequest)
-    _check_tokens(eng, req.tokens)
+    check_tokens(eng, req.tokens)
     text = await off_loop(len(req.tokens), eng.model.detokenize, req.tokens, unparse_special=True)
     return {"content": text}
 
@@ -74,11 +72,10 @@ async def detokenize(request: Request) -> dict[str, str]:
 @router.post("/apply-template", tags=["tokens"], openapi_extra=json_body(ChatCompletionRequest),
              summary="Chat messages to the prompt text (the GGUF's chat template)")
 async def apply_template(request: Request) -> dict[str, str]:
-    svc = service(request)
-    st = svc.state
     # llama-server reads the body as a chat request: the prompt its completion would
     # run on, tools, tool_choice and reasoning settings included
-    eng = st.need_engine()
+    svc = service(request)
+    eng = svc.state.need_engine()
     _, prompt = await svc.chat_prompt(eng, await body(request, ChatCompletionRequest))
     return {"prompt": prompt}
 
@@ -90,32 +87,20 @@ async def apply_template(request: Request) -> dict[str, str]:
 @router.post("/completions", include_in_schema=False, openapi_extra=json_body(CompletionRequest))
 async def completion(request: Request) -> Any:
     svc = service(request)
-    st = svc.state
-    eng = st.need_engine()
+    eng = svc.state.need_engine()
     req = await body(request, CompletionRequest)
-    prompts = await off_loop(sum(map(_size, req.prompt)),
-                             lambda: [_tokenize_pieces(eng, p, True, True) for p in req.prompt])
-    gens, settings = await svc.prepare(eng, req, prompts, stream=req.stream)
+    gens, settings = await svc.prepare(eng, req, await svc.prompt_tokens(eng, req.prompt), stream=req.stream)
     info = svc.result_info(eng, settings)
     if not req.stream:
-        jobs = [svc.submit(g) for g in gens]
-        try:
-            results = await svc.run_all(jobs, request)
-        except ClientGone:
-            return gone()
         outs = []
-        for i, c in enumerate(results):
+        for i, c in enumerate(await svc.results(gens, request)):
             info.prompt_text = eng.model.detokenize(c.prompt_tokens, unparse_special=True)
             outs.append(_select_fields(F.native_final(c, info, index=i, return_tokens=req.return_tokens),
                                        req.response_fields))
         return JSONResponse(outs[0] if len(outs) == 1 else outs)
 
-    job = svc.submit(gens[0])
+    job, items = await svc.start(gens[0], request)
     n_prompt = len(gens[0].prompt_tokens)
-    try:
-        items = await svc.first_items(job, request)
-    except ClientGone:
-        return gone()
     acc: dict[str, Any] = {"n": 0, "tokens": [], "probs": []}
 
     def on_chunk(ch: Any) -> list[str]:

@@ -15,8 +15,7 @@ from .. import formats as F
 from ..chat import delta_json, message_json as chat_message
 from ..errors import bad_request
 from ..schemas import ChatCompletionRequest, OAICompletionRequest
-from ..service import ClientGone, _size, _tokenize_pieces, off_loop
-from ..web import SSEResponse, body, gone, json_body, read_json, service
+from ..web import SSEResponse, body, json_body, read_json, service
 
 router = APIRouter()
 
@@ -66,27 +65,14 @@ async def models(request: Request) -> dict[str, Any]:
              summary="OpenAI completions (stream: SSE ending in [DONE])")
 async def oai_completions(request: Request) -> Any:
     svc = service(request)
-    st = svc.state
-    eng = st.need_engine()
+    eng = svc.state.need_engine()
     req = await body(request, OAICompletionRequest)
-    prompts = await off_loop(sum(map(_size, req.prompt)),
-                             lambda: [_tokenize_pieces(eng, p, True, True) for p in req.prompt])
-    gens, settings = await svc.prepare(eng, req, prompts, stream=req.stream)
+    gens, settings = await svc.prepare(eng, req, await svc.prompt_tokens(eng, req.prompt), stream=req.stream)
     info = svc.result_info(eng, settings)
     if not req.stream:
-        jobs = [svc.submit(g) for g in gens]
-        try:
-            results = await svc.run_all(jobs, request)
-        except ClientGone:
-            return gone()
-        return JSONResponse(F.oai_completion(results, info))
+        return JSONResponse(F.oai_completion(await svc.results(gens, request), info))
 
-    job = svc.submit(gens[0])
-    try:
-        items = await svc.first_items(job, request)
-    except ClientGone:
-        return gone()
-
+    job, items = await svc.start(gens[0], request)
     held: list[Any] = []
 
     def on_chunk(ch: Any) -> list[str]:
@@ -111,30 +97,20 @@ async def oai_completions(request: Request) -> Any:
 @router.post("/chat/completions", include_in_schema=False, openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Any:
     svc = service(request)
-    st = svc.state
-    cfg = svc.cfg
-    eng = st.need_engine()
+    eng = svc.state.need_engine()
     req = await body(request, ChatCompletionRequest)
     if req.unsupported():
         raise bad_request(f"not supported by this server: {', '.join(req.unsupported())}")
     fmt, gens, info = await svc.chat_jobs(eng, req)
     if not req.stream:
-        jobs = [svc.submit(g) for g in gens]
-        try:
-            results = await svc.run_all(jobs, request)
-        except ClientGone:
-            return gone()
+        results = await svc.results(gens, request)
         res = F.oai_chat(results, info, [chat_message(fmt.parser(), c.text) for c in results])
-        if cfg.verbose:  # llama-server's debug object: the native result, the prompt included
+        if svc.cfg.verbose:  # llama-server's debug object: the native result, the prompt included
             info.prompt_text = eng.model.detokenize(results[0].prompt_tokens, unparse_special=True)
             res["__verbose"] = F.native_final(results[0], info)
         return JSONResponse(res)
 
-    job = svc.submit(gens[0])
-    try:
-        items = await svc.first_items(job, request)
-    except ClientGone:
-        return gone()
+    job, items = await svc.start(gens[0], request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     started = {"role": False}
     held: list[Any] = []
@@ -201,7 +177,6 @@ async def chat_control(request: Request) -> dict[str, Any]:
              openapi_extra=json_body(ChatCompletionRequest))
 async def chat_input_tokens(request: Request) -> dict[str, Any]:
     svc = service(request)
-    st = svc.state
-    eng = st.need_engine()
+    eng = svc.state.need_engine()
     _, _, toks = await svc.chat_tokens(eng, await body(request, ChatCompletionRequest))
     return {"input_tokens": len(toks), "object": "response.input_tokens"}

@@ -18,8 +18,7 @@ router = APIRouter()
 @router.post("/v1/responses", tags=["openai"], summary="OpenAI's Responses API (stream: the Responses events)")
 @router.post("/responses", include_in_schema=False)
 async def responses(request: Request) -> Any:
-    st = service(request).state
-    st.need_engine()
+    service(request).state.need_engine()
     req = await converted_request(request, R.to_openai)
     resp_id = F.random_id("resp_")
     return await answer_converted(request, req, lambda c, m, info: R.response_json(c, m, info.model, resp_id),
@@ -30,7 +29,6 @@ async def responses(request: Request) -> Any:
 @router.post("/responses/input_tokens", include_in_schema=False)
 async def responses_input_tokens(request: Request) -> dict[str, Any]:
     svc = service(request)
-    st = svc.state
-    eng = st.need_engine()
+    eng = svc.state.need_engine()
     _, _, toks = await svc.chat_tokens(eng, await converted_request(request, R.to_openai))
     return {"input_tokens": len(toks), "object": "response.input_tokens"}
