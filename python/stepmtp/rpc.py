@@ -26,12 +26,9 @@ import struct
 import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 from .binding import ErrorCapture, LlamaError, ensure_backend, ffi, lib
-
-if TYPE_CHECKING:
-    from .llama import Model
 
 log = logging.getLogger("stepmtp.rpc")
 
@@ -156,6 +153,13 @@ def probe(endpoint: str, timeout: float | None = None) -> tuple[int, int, int]:
     return major, minor, patch
 
 
+class ModelHandle(Protocol):
+    """What the servers need of a model using them (``llama.Model``, which imports
+    this module): its llama.cpp pointer, NULL once closed."""
+
+    _ptr: Any
+
+
 class _Registry:
     """The servers this process has added to ggml, their devices, and the models that
     use them (whose open connection a probe would have to queue behind)."""
@@ -163,7 +167,7 @@ class _Registry:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.devices: dict[str, list] = {}
-        self.users: dict[str, weakref.WeakSet[Model]] = {}
+        self.users: dict[str, weakref.WeakSet[ModelHandle]] = {}
         self._fns = None
 
     def fns(self):  # noqa: ANN201 - a pair of cffi function pointers
@@ -203,7 +207,7 @@ class _Registry:
                 self.devices[endpoint] = devs
             return devs
 
-    def add_user(self, endpoint: str, model: Model) -> None:
+    def add_user(self, endpoint: str, model: ModelHandle) -> None:
         with self.lock:
             self.users.setdefault(endpoint, weakref.WeakSet()).add(model)
 
@@ -258,6 +262,6 @@ class Servers:
                 f"{what}: lost the connection to RPC server {', '.join(lost)} (stopped, crashed or unreachable); "
                 "the model's layers there are gone: close it and load it again once the server is back")
 
-    def attach(self, model: Model) -> None:
+    def attach(self, model: ModelHandle) -> None:
         for ep in self.endpoints:
             _registry.add_user(ep, model)

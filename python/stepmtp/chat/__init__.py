@@ -13,6 +13,7 @@ import datetime
 import json
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from .errors import ChatTemplateError
 from .jinja_render import TemplateFailure, render
 
 if TYPE_CHECKING:
@@ -32,10 +33,6 @@ CHATML_TEMPLATE = (
 
 #: names the renderer sets itself; a variable of the same name does not replace them
 RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
-
-
-class ChatTemplateError(ValueError):
-    """The template is missing, invalid, refused the messages or went past a bound."""
 
 
 def template_source(model: "Model", template: str | None = None) -> str:

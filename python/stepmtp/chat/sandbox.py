@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import ChatTemplateError
+from .errors import ChatTemplateError
 
 __all__ = ["TemplateSandbox"]
 

@@ -1,9 +1,10 @@
 """``python -m stepmtp.server``: a llama-server-compatible HTTP endpoint over stepmtp.
 
 Started with llama-server's flags (``cli``), it serves llama-server's routes and
-JSON shapes (``app``, ``formats``, ``schemas``) from one ``Engine`` run in a worker
-thread (``worker``), with llama-server's Prometheus metrics plus the MTP heads'
-(``metrics``).
+JSON shapes (``app``, ``formats``, ``schemas``), one router per API family
+(``routes``) over one generation service (``service``), from one ``Engine`` run in
+a worker thread (``worker``), with llama-server's Prometheus metrics plus the MTP
+heads' (``metrics``).
 
     python -m stepmtp.server -m model.gguf --spec-type draft-mtp --port 8080
 
