@@ -197,6 +197,15 @@ LIMIT_FLAGS = (
 ENV: dict[str, str] = {}
 
 
+def add(group: argparse._ArgumentGroup, *names: str, env: str | None = None, **kw: Any) -> None:
+    """A flag, and the llama-server environment variable it can come from."""
+    if env:
+        kw["help"] = (kw.get("help") or "") + f" (env: {env})"
+    action = group.add_argument(*names, **kw)
+    if env:
+        ENV[action.option_strings[0]] = env
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(
         prog=PROG,
@@ -207,13 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
                "environment variable (shown as env), the command line winning.",
         allow_abbrev=False,
     )
-
-    def add(group: argparse._ArgumentGroup, *names: str, env: str | None = None, **kw: Any) -> None:
-        if env:
-            kw["help"] = (kw.get("help") or "") + f" (env: {env})"
-        action = group.add_argument(*names, **kw)
-        if env:
-            ENV[action.option_strings[0]] = env
 
     g = ap.add_argument_group("model")
     add(g, "-m", "--model", metavar="FNAME", dest="model", env="LLAMA_ARG_MODEL",
@@ -296,59 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "-fa", "--flash-attn", metavar="on|off|auto", dest="flash_attn", type=_on_off_auto, default=None,
         env="LLAMA_ARG_FLASH_ATTN", help="flash attention (default: auto)")
 
-    g = ap.add_argument_group("placement and KV cache (llama-server's; the GPU ones do nothing on a CPU build)")
-    add(g, "-ot", "--override-tensor", metavar="<tensor name pattern>=<buffer type>,...", dest="tensor_overrides",
-        action=_Overrides, kind="ot", default=[], env="LLAMA_ARG_OVERRIDE_TENSOR",
-        help="override tensor buffer type, e.g. 'exps=CPU' (the first pattern found in a tensor's name wins)")
-    add(g, "-cmoe", "--cpu-moe", dest="tensor_overrides", action=_Overrides, kind="cmoe", nargs=0,
-        env="LLAMA_ARG_CPU_MOE", help="keep all Mixture of Experts (MoE) weights in the CPU")
-    add(g, "-ncmoe", "--n-cpu-moe", metavar="N", dest="tensor_overrides", action=_Overrides, kind="ncmoe",
-        env="LLAMA_ARG_N_CPU_MOE", help="keep the Mixture of Experts (MoE) weights of the first N layers in the CPU")
-    add(g, "-ctk", "--cache-type-k", metavar="TYPE", dest="cache_type_k", type=_kv_cache_type, default="f16",
-        env="LLAMA_ARG_CACHE_TYPE_K", help="KV cache data type for K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, "
-                                           "q5_0, q5_1 (default: f16)")
-    add(g, "-ctv", "--cache-type-v", metavar="TYPE", dest="cache_type_v", type=_kv_cache_type, default="f16",
-        env="LLAMA_ARG_CACHE_TYPE_V", help="KV cache data type for V, as -ctk; a quantized V needs flash "
-                                           "attention (-fa auto or on) (default: f16)")
-    add(g, "--mmap", dest="use_mmap", action="store_const", const=True, default=True, env="LLAMA_ARG_MMAP",
-        help="memory-map the model (default: enabled)")
-    add(g, "--no-mmap", dest="use_mmap", action="store_const", const=False,
-        help="read the model into memory instead (slower load, may reduce pageouts without --mlock)")
-    add(g, "--mlock", dest="use_mlock", action="store_true", env="LLAMA_ARG_MLOCK",
-        help="force the system to keep the model in RAM rather than swapping or compressing")
-    add(g, "--numa", metavar="TYPE", dest="numa", type=_choice("distribute", "isolate", "numactl"), default=None,
-        env="LLAMA_ARG_NUMA", help="NUMA optimizations: distribute (spread execution evenly over all nodes), "
-                                   "isolate (threads on the node execution started on), numactl (the CPU map "
-                                   "numactl gives)")
-    add(g, "-dev", "--device", metavar="<dev1,dev2,..>", dest="devices", env="LLAMA_ARG_DEVICE",
-        help="comma-separated list of devices to offload to (none = don't offload); see --list-devices")
-    add(g, "--list-devices", dest="list_devices", action="store_true", help="print the available devices and exit")
-    add(g, "-sm", "--split-mode", metavar="{none,layer,row,tensor}", dest="split_mode",
-        type=_choice("none", "layer", "row", "tensor"), default="layer", env="LLAMA_ARG_SPLIT_MODE",
-        help="how to split the model across GPUs: none (one GPU), layer (layers and KV, default), row (weights "
-             "by rows), tensor (weights and KV, experimental)")
-    add(g, "-ts", "--tensor-split", metavar="N0,N1,N2,...", dest="tensor_split", env="LLAMA_ARG_TENSOR_SPLIT",
-        help="fraction of the model to offload to each GPU, comma-separated proportions, e.g. 3,1")
-    add(g, "-mg", "--main-gpu", metavar="INDEX", dest="main_gpu", type=_int, default=0, env="LLAMA_ARG_MAIN_GPU",
-        help="the GPU for the whole model (-sm none), or for intermediate results and KV (-sm row) (default: 0)")
-    add(g, "--spec-draft-type-k", "-ctkd", "--cache-type-k-draft", metavar="TYPE", dest="cache_type_k_draft",
-        type=_kv_cache_type, default="f16", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
-        help="KV cache data type for K of every MTP head context (default: f16)")
-    add(g, "--spec-draft-type-v", "-ctvd", "--cache-type-v-draft", metavar="TYPE", dest="cache_type_v_draft",
-        type=_kv_cache_type, default="f16", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V",
-        help="KV cache data type for V of every MTP head context (default: f16)")
-    add(g, "--spec-draft-override-tensor", "-otd", "--override-tensor-draft",
-        metavar="<tensor name pattern>=<buffer type>,...", dest="tensor_overrides_draft", action=_Overrides,
-        kind="ot", draft=True, default=[], help="override tensor buffer type for the draft (MTP) model")
-    add(g, "--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft", dest="tensor_overrides_draft", action=_Overrides,
-        kind="cmoe", draft=True, nargs=0, env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE",
-        help="keep all MoE weights of the draft (MTP) model in the CPU")
-    add(g, "--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft", metavar="N",
-        dest="tensor_overrides_draft", action=_Overrides, kind="ncmoe", draft=True,
-        env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE",
-        help="keep the MoE weights of the first N layers of the draft (MTP) model in the CPU")
-    add(g, "--spec-draft-device", "-devd", "--device-draft", metavar="<dev1,dev2,..>", dest="devices_draft",
-        help="comma-separated list of devices to offload the draft (MTP) model to (none = don't offload)")
+    _placement_flags(ap)
 
     g = ap.add_argument_group("sampling (a request's own values win)")
     d = SamplingParams()
@@ -449,6 +399,69 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--template-max-chars", metavar="N", dest="template_max_chars", type=_int, default=4 << 20,
         help="ours: a rendered prompt longer than this is a 400 (default: 4194304)")
 
+    _compat_flags(ap)
+    return ap
+
+
+def _placement_flags(ap: argparse.ArgumentParser) -> None:
+    """llama-server's buffer placement, devices and KV cache types, the draft's set too."""
+    g = ap.add_argument_group("placement and KV cache (llama-server's; the GPU ones do nothing on a CPU build)")
+    add(g, "-ot", "--override-tensor", metavar="<tensor name pattern>=<buffer type>,...", dest="tensor_overrides",
+        action=_Overrides, kind="ot", default=[], env="LLAMA_ARG_OVERRIDE_TENSOR",
+        help="override tensor buffer type, e.g. 'exps=CPU' (the first pattern found in a tensor's name wins)")
+    add(g, "-cmoe", "--cpu-moe", dest="tensor_overrides", action=_Overrides, kind="cmoe", nargs=0,
+        env="LLAMA_ARG_CPU_MOE", help="keep all Mixture of Experts (MoE) weights in the CPU")
+    add(g, "-ncmoe", "--n-cpu-moe", metavar="N", dest="tensor_overrides", action=_Overrides, kind="ncmoe",
+        env="LLAMA_ARG_N_CPU_MOE", help="keep the Mixture of Experts (MoE) weights of the first N layers in the CPU")
+    add(g, "-ctk", "--cache-type-k", metavar="TYPE", dest="cache_type_k", type=_kv_cache_type, default="f16",
+        env="LLAMA_ARG_CACHE_TYPE_K", help="KV cache data type for K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, "
+                                           "q5_0, q5_1 (default: f16)")
+    add(g, "-ctv", "--cache-type-v", metavar="TYPE", dest="cache_type_v", type=_kv_cache_type, default="f16",
+        env="LLAMA_ARG_CACHE_TYPE_V", help="KV cache data type for V, as -ctk; a quantized V needs flash "
+                                           "attention (-fa auto or on) (default: f16)")
+    add(g, "--mmap", dest="use_mmap", action="store_const", const=True, default=True, env="LLAMA_ARG_MMAP",
+        help="memory-map the model (default: enabled)")
+    add(g, "--no-mmap", dest="use_mmap", action="store_const", const=False,
+        help="read the model into memory instead (slower load, may reduce pageouts without --mlock)")
+    add(g, "--mlock", dest="use_mlock", action="store_true", env="LLAMA_ARG_MLOCK",
+        help="force the system to keep the model in RAM rather than swapping or compressing")
+    add(g, "--numa", metavar="TYPE", dest="numa", type=_choice("distribute", "isolate", "numactl"), default=None,
+        env="LLAMA_ARG_NUMA", help="NUMA optimizations: distribute (spread execution evenly over all nodes), "
+                                   "isolate (threads on the node execution started on), numactl (the CPU map "
+                                   "numactl gives)")
+    add(g, "-dev", "--device", metavar="<dev1,dev2,..>", dest="devices", env="LLAMA_ARG_DEVICE",
+        help="comma-separated list of devices to offload to (none = don't offload); see --list-devices")
+    add(g, "--list-devices", dest="list_devices", action="store_true", help="print the available devices and exit")
+    add(g, "-sm", "--split-mode", metavar="{none,layer,row,tensor}", dest="split_mode",
+        type=_choice("none", "layer", "row", "tensor"), default="layer", env="LLAMA_ARG_SPLIT_MODE",
+        help="how to split the model across GPUs: none (one GPU), layer (layers and KV, default), row (weights "
+             "by rows), tensor (weights and KV, experimental)")
+    add(g, "-ts", "--tensor-split", metavar="N0,N1,N2,...", dest="tensor_split", env="LLAMA_ARG_TENSOR_SPLIT",
+        help="fraction of the model to offload to each GPU, comma-separated proportions, e.g. 3,1")
+    add(g, "-mg", "--main-gpu", metavar="INDEX", dest="main_gpu", type=_int, default=0, env="LLAMA_ARG_MAIN_GPU",
+        help="the GPU for the whole model (-sm none), or for intermediate results and KV (-sm row) (default: 0)")
+    add(g, "--spec-draft-type-k", "-ctkd", "--cache-type-k-draft", metavar="TYPE", dest="cache_type_k_draft",
+        type=_kv_cache_type, default="f16", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
+        help="KV cache data type for K of every MTP head context (default: f16)")
+    add(g, "--spec-draft-type-v", "-ctvd", "--cache-type-v-draft", metavar="TYPE", dest="cache_type_v_draft",
+        type=_kv_cache_type, default="f16", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V",
+        help="KV cache data type for V of every MTP head context (default: f16)")
+    add(g, "--spec-draft-override-tensor", "-otd", "--override-tensor-draft",
+        metavar="<tensor name pattern>=<buffer type>,...", dest="tensor_overrides_draft", action=_Overrides,
+        kind="ot", draft=True, default=[], help="override tensor buffer type for the draft (MTP) model")
+    add(g, "--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft", dest="tensor_overrides_draft", action=_Overrides,
+        kind="cmoe", draft=True, nargs=0, env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE",
+        help="keep all MoE weights of the draft (MTP) model in the CPU")
+    add(g, "--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft", metavar="N",
+        dest="tensor_overrides_draft", action=_Overrides, kind="ncmoe", draft=True,
+        env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE",
+        help="keep the MoE weights of the first N layers of the draft (MTP) model in the CPU")
+    add(g, "--spec-draft-device", "-devd", "--device-draft", metavar="<dev1,dev2,..>", dest="devices_draft",
+        help="comma-separated list of devices to offload the draft (MTP) model to (none = don't offload)")
+
+
+def _compat_flags(ap: argparse.ArgumentParser) -> None:
+    """llama-server's flags that change nothing here, accepted so its command lines run."""
     g = ap.add_argument_group("accepted for compatibility (no effect here)")
     add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
     add(g, "-bs", "--backend-sampling", "--backend_sampling", dest="_backend_sampling", action="store_true",
@@ -466,7 +479,6 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--no-slots", dest="endpoint_slots", action="store_const", const=False,
         help="disable the slots monitoring endpoint")
     add(g, "-cb", "--cont-batching", dest="_cb", action="store_true", help="one sequence at a time anyway")
-    return ap
 
 
 def _normalize(argv: Sequence[str]) -> list[str]:
