@@ -524,6 +524,17 @@ def test_flash_wide_heads(flash_wide):
     assert [int(n) for n in t["blk.9.attn_q_norm.weight"].shape] == [128]
 
 
+def test_flash_writing_reports_progress(tmp_path):
+    """The bench-size model takes a minute to write: shaping calls back with the share
+    written, rising to all of it."""
+    from stepmtp.bench.flash import shape_like_flash
+    from stepmtp.bench.model import resolve_model
+
+    shares: list[float] = []
+    shape_like_flash(resolve_model("bundled"), tmp_path / "x.gguf", 0.03, n_layer=8, progress=shares.append)
+    assert len(shares) > 10 and shares == sorted(shares) and 0 < shares[0] and shares[-1] == 1.0
+
+
 def test_flash_head_width_must_be_a_power_of_4_wider(tmp_path):
     from stepmtp.bench.flash import shape_like_flash
     from stepmtp.bench.model import resolve_model

@@ -90,11 +90,13 @@ def _check_gguf(path: Path) -> None:
 
 
 class _Progress:
-    """Loading progress on a terminal: a one-line bar on stderr."""
+    """Loading progress on a terminal: a one-line bar on stderr (``verb`` names what
+    is done: the bench-size model's writing draws the same bar)."""
 
-    def __init__(self, label: str, callback: Callable[[float], None] | None) -> None:
+    def __init__(self, label: str, callback: Callable[[float], None] | None, verb: str = "loading") -> None:
         self.label = label
         self.callback = callback
+        self.verb = verb
         self.last = -1
 
     def __call__(self, frac: float) -> None:
@@ -107,7 +109,7 @@ class _Progress:
         self.last = pct
         bar = "#" * (pct // 4)
         end = "\n" if pct >= 100 else ""
-        sys.stderr.write(f"\rloading {self.label} [{bar:<25}] {pct:3d}%{end}")
+        sys.stderr.write(f"\r{self.verb} {self.label} [{bar:<25}] {pct:3d}%{end}")
         sys.stderr.flush()
 
 

@@ -426,6 +426,7 @@ class MTPDriver:
                 st.n_prompt_target_decodes += s.prefilling
             else:
                 st.n_draft_decodes += 1
+                st.t_draft_ms += dt
                 st.n_draft_rows += rows
                 st.n_prompt_draft_decodes += s.prefilling
 
@@ -1127,7 +1128,9 @@ class MTPDriver:
         t0 = time.perf_counter()
         logits = d.logits(s.row)
         h = d.nextn_ith(s.row)
-        s.stats.t_llama_ms += (time.perf_counter() - t0) * 1e3
+        dt = (time.perf_counter() - t0) * 1e3
+        s.stats.t_llama_ms += dt
+        s.stats.t_draft_ms += dt
         c = s.constraint
         if c is not None and s.mask_drafts:
             # grammar-aware drafting: the head only proposes what the grammar allows

@@ -1,7 +1,8 @@
 """One statistics type for a request, shared by the API, the server and the bench."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Iterable
 
 MAX_DEPTH = 3
 
@@ -38,6 +39,8 @@ class GenStats:
     t_gen_ms: float = 0.0
     #: time inside llama.cpp calls (decodes and reading their outputs), prompt and generation
     t_llama_ms: float = 0.0
+    #: of that, the heads' (their decodes and outputs)
+    t_draft_ms: float = 0.0
 
     @property
     def t_python_ms(self) -> float:
@@ -61,6 +64,19 @@ class GenStats:
             self.drafted_per_depth[d] += 1
             if d < n_accepted:
                 self.accepted_per_depth[d] += 1
+
+    @classmethod
+    def total(cls, stats: Iterable["GenStats"]) -> "GenStats":
+        """The sum of several generations' statistics (counts, per-depth counts and times)."""
+        out = cls()
+        for st in stats:
+            for f in fields(cls):
+                mine, theirs = getattr(out, f.name), getattr(st, f.name)
+                if isinstance(mine, list):
+                    setattr(out, f.name, [a + b for a, b in zip(mine, theirs)])
+                else:
+                    setattr(out, f.name, mine + theirs)
+        return out
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)

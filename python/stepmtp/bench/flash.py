@@ -65,7 +65,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -278,14 +278,16 @@ def _layer_heads(cfg: FlashConfig, il: int, scale: float, head_dim: int, n_head:
 
 def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], scale: float = 0.25, *,
                      n_layer: int | None = None, hidden: int | None = None, head_dim_new: int | None = None,
-                     f16: bool = False, cfg: FlashConfig = FLASH, seed: int = 0) -> ShapeResult:
+                     f16: bool = False, cfg: FlashConfig = FLASH, seed: int = 0,
+                     progress: Callable[[float], None] | None = None) -> ShapeResult:
     """Write ``dst``: ``src`` (a ``step35`` GGUF with MTP blocks) shaped like ``cfg``
     (Step-3.5-Flash) at ``scale``; ``n_layer`` trunk layers (default: cfg's); ``hidden``:
     the hidden width (default: the trained one; else the trained one times a power of 4,
     see :func:`_widen_hidden`); ``head_dim_new``: the attention heads' width (default: the
     trained one; else the trained one times a power of 4, the query norm scaled to keep the scores);
     ``f16``: quantized matrices written as F16 (their values rounded to 11 bits), for a
-    backend that reads F16 faster than it computes on Q8_0."""
+    backend that reads F16 faster than it computes on Q8_0; ``progress``: called with the
+    share of the tensor data written so far (the file is gigabytes: about a minute)."""
     import gguf
 
     from .widen import copy_metadata
@@ -480,11 +482,16 @@ def shape_like_flash(src: str | os.PathLike[str], dst: str | os.PathLike[str], s
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    total = sum(int(np.prod(t.np_shape)) * np.dtype(t.dtype).itemsize for t in plan)
+    written = 0
     for t in plan:
         data = np.ascontiguousarray(t.make())
         if data.shape != t.np_shape:
             raise AssertionError(f"{t.name}: made {data.shape}, declared {t.np_shape}")
         w.write_tensor_data(data)
+        written += data.nbytes
+        if progress is not None:
+            progress(written / total)
     w.close()
     kinds = {}
     for il in range(n_trunk, n_layer):

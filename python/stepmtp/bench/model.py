@@ -148,7 +148,9 @@ def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *,
     (45 trunk layers, heads and output head in proportion, 36 experts per used one, the
     hidden width ``BENCH_HIDDEN_FACTOR`` x the trained one, heads ``BENCH_HEAD_DIM`` wide, F16), at the scale where a
     1-row target decode reads about ``size_mb`` MB (rounded to a multiple of 1/64); made
-    on first use and cached in ``~/.cache/stepmtp/bench`` (``STEPMTP_CACHE_DIR``)."""
+    on first use and cached in ``~/.cache/stepmtp/bench`` (``STEPMTP_CACHE_DIR``), with a
+    progress bar on a terminal unless ``quiet``."""
+    from ..llama import _Progress
     from . import flash
 
     src = Path(src)
@@ -165,7 +167,9 @@ def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *,
               file=sys.stderr)
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     try:
-        flash.shape_like_flash(src, tmp, scale, hidden=hidden, head_dim_new=BENCH_HEAD_DIM, f16=BENCH_F16)
+        # a bar where a person watches; a log gets the line above only
+        bar = {"progress": _Progress(dst.name, None, verb="writing")} if not quiet and sys.stderr.isatty() else {}
+        flash.shape_like_flash(src, tmp, scale, hidden=hidden, head_dim_new=BENCH_HEAD_DIM, f16=BENCH_F16, **bar)
         os.replace(tmp, dst)
     finally:
         if tmp.exists():
