@@ -27,10 +27,13 @@ largest such gains, in order, and the best plan is the best (D, R) of
 Acceptance per depth (``SeqPolicy``) is a sequence's own recent record, pulled towards
 the engine's long-run rate *for the same sampling settings* (greedy, or the
 temperature: at temperature 1 a head's drafts are accepted far less than at 0); the
-engine's rate in turn fades towards an optimistic prior where nobody drafts. So a few
-rejections in a row do not stop drafting, and a sequence that stopped drafting
-starts again by itself when the engine's record says it pays: its first drafts then
-last a few rounds, one draft says little.
+engine's rate in turn fades towards an optimistic prior where nobody drafts, and a
+depth seldom drafted is taken to be accepted as the depth before it, plus half a
+standard error of what little is known of it (so a few unlucky drafts cannot keep a
+depth that pays from being drafted again). So a few rejections in a row do not stop
+drafting, and a sequence that stopped drafting starts again by itself when the
+engine's record says it pays: its first drafts then last a few rounds, one draft says
+little.
 
 Plain floats, not numpy: this runs every round, on a few numbers.
 """
