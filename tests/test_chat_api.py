@@ -596,3 +596,14 @@ def test_no_messages_is_the_generation_prompt_alone(servers):
         usage = r.json()["usage"]
         assert usage.get("completion_tokens", usage.get("output_tokens")) == 3
 
+
+def test_detokenize_joins_the_pieces(servers):
+    """/detokenize is llama-server's: the pieces joined, not llama_detokenize, whose
+    clean-up of spaces (on for the bundled model's GPT-2-style vocabulary) wrote
+    "France?" (llama-server's suite, test_tokenize_detokenize)."""
+    import httpx
+
+    url = servers["mtp"].url
+    text = "What is the capital of France ? It's <|im_end|> isn't it ?"
+    toks = httpx.post(url + "/tokenize", json={"content": text, "parse_special": True}, timeout=30).json()["tokens"]
+    assert httpx.post(url + "/detokenize", json={"tokens": toks}, timeout=30).json() == {"content": text}
