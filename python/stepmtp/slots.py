@@ -215,14 +215,14 @@ class Request:
                 self.stop_type, self.finish, unsent = "word", "stop", [tok]
                 self._unsent_probs = tp
                 break
-            if 0 < self.n_predict <= len(self.out_tokens):
+            # llama-server without context shift stops as the next token would fill the
+            # context's last cell (prompt + generated + 1 >= n_ctx)
+            if 0 < self.n_predict <= len(self.out_tokens) or \
+                    len(self.prompt_tokens) + len(self.out_tokens) >= n_ctx_seq:
                 self.stop_type, self.finish, unsent = "limit", "length", [tok]
                 self._unsent_probs = tp
                 break
             self.chunks.append(Chunk(self.asm.take(), [tok], probs=tp))
-        else:
-            if self.state.pos >= n_ctx_seq:  # no room to decode id_last: the context is full
-                self.stop_type, self.finish = "limit", "length"
         if self.stop_type != "none":
             self._finish(unsent)
 
