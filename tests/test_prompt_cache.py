@@ -140,6 +140,46 @@ def test_kv_full_fails_only_the_request_that_does_not_fit(agree):
         assert len(eng.generate("x", n_predict=4, temperature=0).tokens) == 4
 
 
+def test_host_restore_without_room_evicts_then_decodes_afresh(agree):
+    """A prompt kept in host memory (--cache-ram) goes back into a full shared cache:
+    idle slots' caches make room for it, and when none is idle (the others are
+    generating) the prompt is decoded afresh, the state kept for later. Either way the
+    request is served, with the output it has without any cache."""
+    with Engine(agree, mode="chain", n_max=3, n_ctx=1024, n_parallel=3, kv_unified=True, cache_ram_mib=64,
+                n_batch=64, n_ubatch=64) as eng:
+        no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
+        texts = [PROMPT * 20, "class Parser:\n    '''Parse it.'''\n" * 30, "x = [1, 2, 3]\n" * 60]
+        a, b, c = (eng.tokenize(t)[:340] for t in texts)
+
+        def kept(prompt):
+            return any(common_prefix(st.tokens, prompt) >= 340 for st in eng.driver.host._items.values())
+
+        first = eng.generate(a, n_predict=8, temperature=0)
+        again = a + first.tokens[:-1] + eng.tokenize("\n    x = 1\n", add_special=False)
+        ref = eng.generate(again, n_predict=N, temperature=0, cache_prompt=False, logit_bias=no_eos)
+        for p in (a, b, c):
+            eng.generate(p, n_predict=8, temperature=0)
+        # c took the cells a held: a is in host memory, b and c leave too few cells for it
+        assert kept(again) and eng.driver.cached_tokens(0) == []
+        out = eng.generate(again, n_predict=N, temperature=0, logit_bias=no_eos)
+        # it came back: idle b's cells gave way
+        assert out.tokens == ref.tokens and out.stats.n_prompt_cached >= 340
+
+        # now with b and c generating: nothing to evict, it is decoded afresh
+        eng.generate(b, n_predict=8, temperature=0)
+        eng.generate(c, n_predict=8, temperature=0)
+        assert kept(again)
+        busy = [eng.submit(p + [7] * 20, n_predict=24, temperature=0, logit_bias=no_eos) for p in (b, c)]
+        while any(r.state.seq_id < 0 or r.state.prefilling for r in busy):
+            eng.step()
+        late = eng.submit(again, n_predict=N, temperature=0, logit_bias=no_eos)
+        while eng.busy:
+            eng.step()
+        assert late.error is None and all(r.error is None for r in busy)
+        assert late.completion.tokens == ref.tokens and late.completion.stats.n_prompt_cached == 0
+        assert kept(again)
+
+
 @pytest.mark.parametrize("cfg", [dict(mode="chain", n_max=3, adaptive=False),
                                  dict(mode="chain", n_max=3, schedule="reference", adaptive=False),
                                  dict(mode="none")], ids=["fused", "reference", "none"])
