@@ -118,11 +118,10 @@ def test_unified_cache_evicts_idle_prefixes_when_full(agree):
         assert len(out.tokens) == 8
 
 
-def test_kv_full_fails_only_the_request_that_does_not_fit(agree):
-    """Two generations in one small shared cache: when a round finds no room, only the
-    sequence whose rows do not fit fails (llama-server's error), the other finishes."""
-    from stepmtp import LlamaError
-
+def test_kv_full_ends_the_request_that_does_not_fit_as_length(agree):
+    """Two generations in one small shared cache: when a round finds no room, the
+    sequence whose rows do not fit ends as one that reached its context (its text so
+    far, "length"; llama-server fails it), the other goes on to its own end."""
     with Engine(agree, mode="chain", n_max=3, n_ctx=256, n_parallel=2, kv_unified=True, n_ubatch=256,
                 n_batch=256) as eng:
         no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
@@ -130,12 +129,15 @@ def test_kv_full_fails_only_the_request_that_does_not_fit(agree):
         b = eng.submit("def parse(text):\n", n_predict=400, temperature=0, logit_bias=no_eos)
         while eng.busy:
             eng.step()
-        failed = [r for r in (a, b) if r.error is not None]
-        done = [r for r in (a, b) if r.completion is not None]
-        assert len(failed) == 1 and len(done) == 1, [(r.error, r.completion and r.completion.finish_reason)
-                                                     for r in (a, b)]
-        assert isinstance(failed[0].error, LlamaError) and "Context size has been exceeded" in str(failed[0].error)
-        assert done[0].completion.finish_reason == "length"
+        assert [r.error for r in (a, b)] == [None, None]
+        out = [r.completion for r in (a, b)]
+        assert [c.finish_reason for c in out] == ["length", "length"] and all(c.stop_type == "limit" for c in out)
+        # the one cut short kept what it had generated; the other went on to the context's end
+        short, full = sorted(out, key=lambda c: len(c.prompt_tokens) + len(c.tokens))
+        assert 0 < len(short.tokens) and len(full.prompt_tokens) + len(full.tokens) == eng.n_ctx
+        assert short.text == eng.model.detokenize(short.tokens)
+        alone = eng.generate(short.prompt_tokens, n_predict=len(short.tokens), temperature=0, logit_bias=no_eos)
+        assert alone.tokens == short.tokens
         # the engine goes on
         assert len(eng.generate("x", n_predict=4, temperature=0).tokens) == 4
 
@@ -272,3 +274,46 @@ def test_host_memory_keeps_a_conversation_another_one_displaced(agree, cfg):
         eng.generate(a, n_predict=N, temperature=0)
         eng.generate(b, n_predict=N, temperature=0)
         assert eng.generate(follow, n_predict=N, temperature=0).stats.n_prompt_cached == 0
+
+
+def test_server_full_shared_cache_ends_with_length(agree, tmp_path):
+    """Two answers that outgrow one small shared cache, one streamed: both are 200s
+    ending with finish_reason "length" and the text generated so far (llama-server
+    fails the one that finds no room, and every running slot with it)."""
+    import json
+
+    import httpx
+
+    from tests.test_server import running
+
+    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "256", "-np", "2", "--kv-unified", "-b", "256",
+            "-ub", "256", "-t", "1"]
+    with running(args, tmp_path) as srv:
+        results = {}
+
+        def whole():
+            r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+                "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+            results["whole"] = (r.status_code, r.json())
+
+        def streamed():
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=120, json={
+                    "prompt": "def parse(text):\n", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+                results["streamed"] = (r.status_code, events)
+
+        ts = [threading.Thread(target=f) for f in (whole, streamed)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        code, body = results["whole"]
+        assert code == 200 and body["choices"][0]["finish_reason"] == "length", body
+        assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] < 400
+        code, events = results["streamed"]
+        assert code == 200 and all("error" not in e for e in events), events[-1]
+        assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "length"
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert text and sum(1 for e in events if e.get("choices") and e["choices"][0]["text"]) < 400

@@ -170,6 +170,8 @@ class Request:
         self.completion: Completion | None = None
         self.error: BaseException | None = None
         self.cancelled = False
+        #: ended by a full shared cache (run_out): its slot's KV is not kept
+        self.kv_lost = False
         #: its consumer is behind: it sits out the rounds (not the prompt) until it catches up
         self.paused = False
         self._t_gen = 0.0
@@ -246,6 +248,16 @@ class Request:
             slot=max(0, self.state.seq_id),
         )
 
+    def run_out(self) -> None:
+        """A shared KV cache has no room left for the next tokens: the generation ends
+        as one that reached its context (the text so far, "length"), where llama-server
+        fails it, and every running slot with it. Its cells are not kept (the driver may
+        have freed them for the others)."""
+        if not self.done:
+            self.kv_lost = True
+            self.stop_type, self.finish = "limit", "length"
+            self._finish([])
+
     def fail(self, error: BaseException) -> None:
         if not self.done:
             self.error = error
@@ -306,15 +318,18 @@ class Slots:
             states = [r.state for r in running]
             try:
                 outs = drv.round(states)
+            except KVFullError:
+                for r in running:  # one sequence alone, and no room for its next token
+                    r.run_out()
             except LlamaError as e:
                 # a round is shared: what failed it (a backend error) fails its members;
                 # the slots are freed and the engine stays usable
                 for r in running:
-                    r.fail(_context_exceeded(e) if isinstance(e, KVFullError) else e)
+                    r.fail(e)
             else:
                 for r, out in zip(running, outs):
-                    if isinstance(out, LlamaError):  # this one found no room: it alone fails
-                        r.fail(_context_exceeded(out))
+                    if isinstance(out, LlamaError):  # this one found no room: it alone ends
+                        r.run_out()
                     else:
                         r.feed(out, self.model, drv.n_ctx_seq)
         prefilling = [r for r in self.slots if r is not None and r.state.prefilling]
@@ -381,8 +396,9 @@ class Slots:
             if r.done:
                 self.slots[i] = None
                 # its KV stays for the next request that shares a prefix with it, unless
-                # a decode failed in its middle
-                self.driver.finish(r.state, keep=r.error is None or isinstance(r.error, Cancelled))
+                # a decode failed in its middle or the cache ran out of room for it
+                self.driver.finish(r.state, keep=(r.error is None or isinstance(r.error, Cancelled))
+                                   and not r.kv_lost)
 
     def drop(self, req: Request) -> None:
         """Cancel ``req`` and free what it holds now (its consumer went away)."""
