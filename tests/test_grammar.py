@@ -408,6 +408,7 @@ def fits(model: Model, c: Constraint, text: str) -> bool:
     ({"type": "string", "format": "uuid"}, ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567"]),
     ({"type": "string", "format": "date-time"}, ["2024-05-01T10:20:30Z"], ["2024-05-01"]),
     ({"type": "string", "format": "made-up"}, ["anything"], []),  # unknown: any text, as llama.cpp
+    ({"type": "string", "pattern": "^(?=a)a+$", "maxLength": 2}, ["b"], ["bbb"]),  # a look-around: not enforced
     ({"type": "string"}, ["a < b </b>\n\nc", ""], ["a</parameter>b"]),
     ({}, ["{\"x\": 1}", "plain"], ["a</parameter>"]),
     ({"type": ["string", "integer"]}, ["12", "text"], []),

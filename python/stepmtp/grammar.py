@@ -304,9 +304,10 @@ def text_value_rules(name: str, schema: Any, close: str, marker: str,
 
     A string's text never holds ``marker`` (the parser ends the value at the first
     one) and follows the schema's ``enum``/``const``, ``minLength``/``maxLength``,
-    ``pattern`` and the ``format``s llama.cpp knows (others: any text, as there). It
-    is one lexeme with ``close``: llguidance's lexer is greedy, and a string that can
-    go on with ``close``'s first characters (a newline, ``<``) would never end.
+    ``pattern`` (but one llguidance cannot compile) and the ``format``s llama.cpp
+    knows (others: any text, as there). It is one lexeme with ``close``: llguidance's
+    lexer is greedy, and a string that can go on with ``close``'s first characters (a
+    newline, ``<``) would never end.
 
     Any other value is JSON under llguidance's schema converter, as
     ``response_format`` is (lenient: what it does not support is not enforced, as
@@ -338,7 +339,11 @@ def text_value_rules(name: str, schema: Any, close: str, marker: str,
                 hi = "" if not isinstance(hi, int) or hi < 0 else str(hi)
                 parts.append(f"/(?s:.{{{lo},{hi}}})/")
             if isinstance(schema.get("pattern"), str):
-                parts.append("/" + llg.regex_to_lark(_pattern_regex(schema["pattern"]), "dw") + "/")
+                rx = "/" + llg.regex_to_lark(_pattern_regex(schema["pattern"]), "dw") + "/"
+                # one llguidance cannot compile (a look-around) is not enforced, as
+                # the rest of what the lenient converter does not support
+                if not llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(f"start: {rx}")):
+                    parts.append(rx)
             if schema.get("format") in _TEXT_FORMATS:
                 parts.append("/" + _TEXT_FORMATS[schema["format"]] + "/")
         # a negation may match bytes that are not UTF-8: another part keeps to text
