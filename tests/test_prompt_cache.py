@@ -118,28 +118,47 @@ def test_unified_cache_evicts_idle_prefixes_when_full(agree):
         assert len(out.tokens) == 8
 
 
-def test_kv_full_ends_the_request_that_does_not_fit_as_length(agree):
-    """Two generations in one small shared cache: when a round finds no room, the
-    sequence whose rows do not fit ends as one that reached its context (its text so
-    far, "length"; llama-server fails it), the other goes on to its own end."""
+def test_kv_full_preempts_and_resumes(agree):
+    """Two generations outgrow one small shared cache: the one whose rows do not fit
+    gives up its cells and waits (llama-server fails it, and the other with it), then
+    goes on from its prompt and output decoded again: both reach their context's end,
+    which one cache could not hold at once, each with the text it has alone."""
     with Engine(agree, mode="chain", n_max=3, n_ctx=256, n_parallel=2, kv_unified=True, n_ubatch=256,
                 n_batch=256) as eng:
         no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
-        a = eng.submit(PROMPT, n_predict=400, temperature=0, logit_bias=no_eos)
-        b = eng.submit("def parse(text):\n", n_predict=400, temperature=0, logit_bias=no_eos)
+        prompts = [eng.tokenize(PROMPT), eng.tokenize("def parse(text):\n")]
+        reqs = [eng.submit(p, n_predict=400, temperature=0, logit_bias=no_eos) for p in prompts]
         while eng.busy:
             eng.step()
-        assert [r.error for r in (a, b)] == [None, None]
-        out = [r.completion for r in (a, b)]
-        assert [c.finish_reason for c in out] == ["length", "length"] and all(c.stop_type == "limit" for c in out)
-        # the one cut short kept what it had generated; the other went on to the context's end
-        short, full = sorted(out, key=lambda c: len(c.prompt_tokens) + len(c.tokens))
-        assert 0 < len(short.tokens) and len(full.prompt_tokens) + len(full.tokens) == eng.n_ctx
-        assert short.text == eng.model.detokenize(short.tokens)
-        alone = eng.generate(short.prompt_tokens, n_predict=len(short.tokens), temperature=0, logit_bias=no_eos)
-        assert alone.tokens == short.tokens
+        assert [r.error for r in reqs] == [None, None]
+        out = [r.completion for r in reqs]
+        assert all(c.finish_reason == "length" and len(c.prompt_tokens) + len(c.tokens) == eng.n_ctx for c in out)
+        for p, c in zip(prompts, out):
+            assert c.stats.n_prompt == len(p)  # the prompt's count, whatever was decoded again
+            alone = eng.generate(p, n_predict=400, temperature=0, logit_bias=no_eos)
+            assert alone.tokens == c.tokens
         # the engine goes on
         assert len(eng.generate("x", n_predict=4, temperature=0).tokens) == 4
+
+
+def test_kv_full_with_no_slot_to_wait_for_ends_as_length(agree, monkeypatch):
+    """When no slot would free cells (every running one found no room), a generation
+    ends as one that reached its context: its text so far, "length"."""
+    from stepmtp.llama import KVFullError
+
+    with Engine(agree, mode="chain", n_max=3, n_ctx=512, n_parallel=2, kv_unified=True) as eng:
+        reqs = [eng.submit(p, n_predict=40, temperature=0) for p in (PROMPT, "def parse(text):\n")]
+        while not all(r.n_decoded >= 4 for r in reqs):
+            eng.step()
+        so_far = [list(r.out_tokens) for r in reqs]
+        monkeypatch.setattr(eng.driver, "round", lambda seqs: [KVFullError("no room") for _ in seqs])
+        eng.step()
+        monkeypatch.undo()
+        assert [r.error for r in reqs] == [None, None]
+        assert [r.completion.finish_reason for r in reqs] == ["length", "length"]
+        assert [r.completion.tokens for r in reqs] == so_far
+        assert all(r.completion.text == eng.model.detokenize(r.completion.tokens) for r in reqs)
+        assert eng.generate(PROMPT, n_predict=40, temperature=0).tokens[:len(so_far[0])] == so_far[0]
 
 
 def test_host_restore_without_room_evicts_then_decodes_afresh(agree):
@@ -276,10 +295,10 @@ def test_host_memory_keeps_a_conversation_another_one_displaced(agree, cfg):
         assert eng.generate(follow, n_predict=N, temperature=0).stats.n_prompt_cached == 0
 
 
-def test_server_full_shared_cache_ends_with_length(agree, tmp_path):
+def test_server_full_shared_cache_serves_both(agree, tmp_path):
     """Two answers that outgrow one small shared cache, one streamed: both are 200s
-    ending with finish_reason "length" and the text generated so far (llama-server
-    fails the one that finds no room, and every running slot with it)."""
+    that go on to their context's end, finish_reason "length" (llama-server fails the
+    one that finds no room, and every running slot with it)."""
     import json
 
     import httpx
@@ -311,9 +330,8 @@ def test_server_full_shared_cache_ends_with_length(agree, tmp_path):
             t.join()
         code, body = results["whole"]
         assert code == 200 and body["choices"][0]["finish_reason"] == "length", body
-        assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] < 400
+        assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 256
         code, events = results["streamed"]
         assert code == 200 and all("error" not in e for e in events), events[-1]
         assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "length"
-        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
-        assert text and sum(1 for e in events if e.get("choices") and e["choices"][0]["text"]) < 400
+        assert events[-1]["usage"]["prompt_tokens"] + events[-1]["usage"]["completion_tokens"] == 256
