@@ -161,6 +161,33 @@ def test_kv_full_with_no_slot_to_wait_for_ends_as_length(agree, monkeypatch):
         assert eng.generate(PROMPT, n_predict=40, temperature=0).tokens[:len(so_far[0])] == so_far[0]
 
 
+def test_prompt_without_room_waits_for_a_busy_slot(agree):
+    """A prompt that finds no room in a shared cache a generation holds (not idle:
+    nothing to evict; paused, its client reading behind, so it is not preempted
+    either) waits for that slot to end instead of failing (llama-server: a 500);
+    both are served as each is alone."""
+    with Engine(agree, mode="chain", n_max=3, n_ctx=256, n_parallel=2, kv_unified=True, n_ubatch=256,
+                n_batch=256) as eng:
+        no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
+        text = "def parse(text):\n" * 6
+        long = eng.submit(PROMPT, n_predict=400, temperature=0, logit_bias=no_eos)
+        while len(long.prompt_tokens) + long.n_decoded < 250:
+            eng.step()
+        long.paused = True
+        late = eng.submit(text, n_predict=8, temperature=0)
+        for _ in range(40):  # its prompt finds no room at any size: it waits
+            eng.step()
+        assert late.error is None and late.completion is None
+        assert eng.slots.stalled  # nothing to step for until the client reads on
+        long.paused = False
+        while eng.busy:
+            eng.step()
+        assert long.error is None and late.error is None
+        assert len(long.prompt_tokens) + len(long.completion.tokens) == eng.n_ctx
+        assert late.completion.tokens == eng.generate(text, n_predict=8, temperature=0).tokens
+        assert long.completion.tokens == eng.generate(PROMPT, n_predict=400, temperature=0, logit_bias=no_eos).tokens
+
+
 def test_host_restore_without_room_evicts_then_decodes_afresh(agree):
     """A prompt kept in host memory (--cache-ram) goes back into a full shared cache:
     idle slots' caches make room for it, and when none is idle (the others are

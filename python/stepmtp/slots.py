@@ -316,8 +316,10 @@ class Slots:
 
     @property
     def stalled(self) -> bool:
-        """Nothing to do but wait: every slot's request is paused, none waits for one."""
-        return (not self.waiting and any(r is not None for r in self.slots)
+        """Nothing to do but wait: every slot's request is paused, and none waits for
+        one (or the first that waits, waits for one of them to end: ``_no_room``)."""
+        head = self.waiting[0] if self.waiting else None
+        return ((head is None or 0 < head.resume_below <= self.n_busy) and any(r is not None for r in self.slots)
                 and all(r is None or (r.paused and not r.state.prefilling) for r in self.slots))
 
     @property
@@ -364,9 +366,10 @@ class Slots:
                     r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
             except KVFullError as e:
                 # as llama-server: idle slots' cached prefixes went first (the driver),
-                # then smaller chunks; a prompt that still finds no room fails alone
+                # then smaller chunks; then it waits for a busy slot to end, and one that
+                # finds no room with none busy fails alone
                 if not drv.shrink_chunk(r.state):
-                    if r.resuming:
+                    if self.n_busy > 1 or r.out_tokens:
                         self._no_room(r, 1)
                     else:
                         r.fail(_context_exceeded(e))
@@ -375,17 +378,18 @@ class Slots:
         self._release_finished()
 
     def _no_room(self, r: Request, n_stuck: int) -> None:
-        """A shared cache has no room for ``r``'s next tokens (``n_stuck`` of the busy
-        slots found none this step). While another slot goes on (it frees cells when it
-        ends), ``r`` is preempted: its slot and cells are given up, and it waits to go on
-        from its prompt and output decoded again, its text so far kept, as vLLM
-        recomputes a preempted sequence. Else it ends as one that reached its context."""
+        """A shared cache has no room for ``r``'s next tokens or its prompt (``n_stuck``
+        of the busy slots found none this step). While another slot goes on (it frees
+        cells when it ends), ``r`` is preempted: its slot and cells are given up, and it
+        waits to go on from its prompt and output decoded again, its text so far kept,
+        as vLLM recomputes a preempted sequence. Else it ends as one that reached its
+        context."""
         slot = r.state.seq_id
         if self.n_busy <= n_stuck or r.cancelled:
             r.run_out()
             return
         st = r.state.stats
-        if r._prompt_counts is None:
+        if r.out_tokens and r._prompt_counts is None:
             r._prompt_counts = (st.n_prompt, st.n_prompt_cached)
         self.driver.release(slot)
         self.slots[slot] = None
