@@ -74,6 +74,126 @@ def test_streamed_tool_call_equals_the_whole(servers):
     assert got == [(t.function.name, json.loads(t.function.arguments)) for t in whole.tool_calls]
 
 
+# -- forced calls held to their schemas (issue 36) ----------------------------------------
+
+READ = {"type": "function", "function": {
+    "name": "read_file", "description": "Read lines of a file",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["path", "lines"], "properties": {
+        "path": {"type": "string", "maxLength": 16},
+        "lines": {"type": "integer", "minimum": 0, "maximum": 999}}}}}
+READ_ASK = [{"role": "user", "content": "Read the first lines of setup.py"}]
+
+
+def streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None, str]:
+    """A streamed chat completion's calls (name, arguments), finish reason and content."""
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        finish = ch.finish_reason or finish
+        content += ch.delta.content or ""
+        for d in ch.delta.tool_calls or []:
+            cur = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            cur["name"] += d.function.name or ""
+            cur["arguments"] += d.function.arguments or ""
+    return [(v["name"], v["arguments"]) for _, v in sorted(calls.items())], finish, content
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "read_file"}}])
+def test_forced_call_follows_its_bounded_schema(servers, choice):
+    """The issue's call: a path of at most 16 characters and a bounded integer. The
+    value of each parameter is held to its schema (the string could not even end
+    before), so the call completes and validates, with and without drafting (the
+    same call: the heads' drafts are masked too), streamed and not."""
+    import jsonschema
+
+    got = {}
+    for name, srv in servers.items():
+        kw = dict(model="m", messages=READ_ASK, tools=[READ], tool_choice=choice, max_tokens=96, temperature=0)
+        out = client(srv).chat.completions.create(**kw)
+        ch = out.choices[0]
+        assert ch.finish_reason == "tool_calls" and not ch.message.content, ch
+        (call,) = ch.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), READ["function"]["parameters"])
+        calls, finish, content = streamed_calls(client(srv).chat.completions.create(stream=True, **kw))
+        assert calls == [("read_file", call.function.arguments)] and finish == "tool_calls" and content == ""
+        got[name] = call.function.arguments
+    assert got["mtp"] == got["plain"]
+
+
+def test_forced_call_every_constraint_kind(servers):
+    """A tool with every kind of constraint: bounded and enumerated strings, a pattern,
+    a date, integer, number and boolean, an object and an array as JSON; the heads'
+    drafts are masked too, and accepted."""
+    import jsonschema
+
+    from tests.test_grammar import EDIT
+
+    got = {}
+    for name, srv in servers.items():
+        out = client(srv).chat.completions.create(model="m", messages=READ_ASK, tools=[EDIT, READ],
+                                                  tool_choice={"type": "function", "function": {"name": "edit"}},
+                                                  max_tokens=400, temperature=0)
+        ch = out.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, EDIT["function"]["parameters"], format_checker=jsonschema.FormatChecker())
+        assert set(EDIT["function"]["parameters"]["required"]) <= set(args)
+        got[name] = (call.function.arguments, out.model_extra["timings"].get("draft_n_accepted", 0))
+    assert got["mtp"][0] == got["plain"][0] and got["mtp"][1] > 0
+
+
+def test_forced_call_cut_by_max_tokens(servers):
+    """A call cut by max_tokens ends as llama-server's does: finish_reason "length",
+    the arguments written so far (left open), none of the call's text in the
+    content; streamed, the same."""
+    c = client(servers["mtp"])
+    kw = dict(model="m", messages=READ_ASK, tools=[READ], tool_choice="required", temperature=0)
+    full = json.loads(c.chat.completions.create(max_tokens=96, **kw).choices[0].message.tool_calls[0]
+                      .function.arguments)
+    for n in (16, 20):
+        ch = c.chat.completions.create(max_tokens=n, **kw).choices[0]
+        assert ch.finish_reason == "length" and not ch.message.content, ch
+        (call,) = ch.message.tool_calls
+        args = call.function.arguments
+        assert call.function.name == "read_file" and args.startswith("{")
+        # a prefix of the whole call's arguments, the string left open
+        assert ('{"path": ' + json.dumps(full["path"])).startswith(args), args
+        calls, finish, content = streamed_calls(c.chat.completions.create(max_tokens=n, stream=True, **kw))
+        assert calls == [("read_file", args)] and finish == "length" and content == ""
+
+
+def test_forced_call_on_the_other_apis(servers):
+    """Responses and Anthropic's Messages force the same schema-held call, streamed
+    and not."""
+    import jsonschema
+
+    params = READ["function"]["parameters"]
+    c = client(servers["mtp"])
+    r_tools = [{"type": "function", **READ["function"]}]
+    whole = c.responses.create(model="m", input=READ_ASK, tools=r_tools, tool_choice="required",
+                               max_output_tokens=96, temperature=0)
+    (call,) = [o for o in whole.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), params)
+    events = list(c.responses.create(model="m", input=READ_ASK, tools=r_tools, tool_choice="required",
+                                     max_output_tokens=96, temperature=0, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == call.arguments
+
+    a = anthropic_client(servers["mtp"])
+    kw = dict(model="m", max_tokens=96, messages=READ_ASK, extra_body=GREEDY,
+              tools=[{"name": "read_file", "input_schema": params}], tool_choice={"type": "tool", "name": "read_file"})
+    first = a.messages.create(**kw)
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, params)
+    with a.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.input for b in final.content] == [use.input]
+
+
 def test_two_turn_tool_loop(servers):
     """call, result, answer: the assistant's call goes back with its arguments as a
     JSON string (as clients send it) and the tool's result as a "tool" message."""
@@ -475,3 +595,15 @@ def test_no_messages_is_the_generation_prompt_alone(servers):
         assert r.status_code == 200, (route, r.text)
         usage = r.json()["usage"]
         assert usage.get("completion_tokens", usage.get("output_tokens")) == 3
+
+
+def test_detokenize_joins_the_pieces(servers):
+    """/detokenize is llama-server's: the pieces joined, not llama_detokenize, whose
+    clean-up of spaces (on for the bundled model's GPT-2-style vocabulary) wrote
+    "France?" (llama-server's suite, test_tokenize_detokenize)."""
+    import httpx
+
+    url = servers["mtp"].url
+    text = "What is the capital of France ? It's <|im_end|> isn't it ?"
+    toks = httpx.post(url + "/tokenize", json={"content": text, "parse_special": True}, timeout=30).json()["tokens"]
+    assert httpx.post(url + "/detokenize", json={"tokens": toks}, timeout=30).json() == {"content": text}

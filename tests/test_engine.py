@@ -170,8 +170,9 @@ def test_context_full_stops_with_length(tiny, greedy_reference):
         eog = [t for t in range(eng.model.n_vocab) if eng.model.is_eog(t)]
         out = eng.generate(PROMPT, n_predict=-1, temperature=0, logit_bias={t: -1e9 for t in eog})
     assert out.finish_reason == "length" and out.stop_type == "limit"
-    # every position is used: the last token is sampled but never needs decoding
-    assert n_prompt + len(out.tokens) - 1 == n_ctx
+    # as llama-server without context shift: it stops once the next token would take the
+    # last cell (prompt + generated + 1 >= n_ctx)
+    assert n_prompt + len(out.tokens) == n_ctx
     assert out.tokens[:N] == greedy_reference.tokens
 
 

@@ -14,6 +14,7 @@ from stepmtp.grammar import (
     DisallowedToken,
     GrammarError,
     bitmasks_along_many,
+    text_value_rules,
     vocabulary,
 )
 from stepmtp.models import default_model_path
@@ -378,3 +379,104 @@ def test_vocabulary_is_cached_per_model(tiny_vocab, stdlib_vocab):
     assert v.n_vocab == tiny_vocab.n_vocab and v.n_words == (tiny_vocab.n_vocab + 31) // 32
     assert Constraint.compile(tiny_vocab, "json_object").vocab is v
     assert Constraint.compile(v, "json_object").vocab is v
+
+
+# -- a value written as text (Step's XML-like tool calls) ----------------------------
+
+CLOSE, MARK = "\n</parameter>\n", "</parameter>"
+
+
+def fits(model: Model, c: Constraint, text: str) -> bool:
+    """Whether ``text`` then the value's close is what the grammar allows, whole."""
+    state = c.start()
+    for tok in model.tokenize((text + CLOSE).encode(), add_special=False, parse_special=False):
+        if not state.allowed(tok):
+            return False
+        state.advance(tok)
+    return state.accepting
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "string", "maxLength": 4}, ["", "abcd", "é<>\n"], ["abcde"]),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, ["ab", "abc"], ["a", "abcd"]),
+    ({"type": "string", "enum": ["c", "f"]}, ["c", "f"], ["x", "cf", ""]),
+    ({"const": "fixed"}, ["fixed"], ["fix"]),
+    ({"enum": [1, "two", None]}, ["1", "two", "null"], ["2"]),
+    ({"type": "string", "pattern": "^[a-z]+\\.py$"}, ["setup.py"], ["Setup.py", "setup.pyc"]),
+    ({"type": "string", "pattern": "\\d{2}"}, ["a12b", "12"], ["a1b"]),  # JSON schema searches
+    ({"type": "string", "format": "date"}, ["2024-05-01"], ["2024-13-01", "May 1"]),
+    ({"type": "string", "format": "uuid"}, ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567"]),
+    ({"type": "string", "format": "date-time"}, ["2024-05-01T10:20:30Z"], ["2024-05-01"]),
+    ({"type": "string", "format": "made-up"}, ["anything"], []),  # unknown: any text, as llama.cpp
+    ({"type": "string", "pattern": "^(?=a)a+$", "maxLength": 2}, ["b"], ["bbb"]),  # a look-around: not enforced
+    ({"type": "string"}, ["a < b </b>\n\nc", ""], ["a</parameter>b"]),
+    ({}, ["{\"x\": 1}", "plain"], ["a</parameter>"]),
+    ({"type": ["string", "integer"]}, ["12", "text"], []),
+    ({"type": "integer", "minimum": 0, "maximum": 999}, ["0", "999", "12"], ["1000", "-1", "1.5", "x", ""]),
+    ({"type": "number"}, ["3.25", "-1", "2e3"], ["x", "1."]),
+    ({"type": "boolean"}, ["true", "false"], ["yes", "True"]),
+    ({"type": ["integer", "null"]}, ["4", "null"], ["none"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+     ['{"a": 1}', '{"a":2}'], ['{"b": 1}', "{}", '{"a": "1"}']),
+    ({"type": "array", "items": {"type": "integer"}, "maxItems": 2}, ["[1, 2]", "[]"], ["[1, 2, 3]", '["a"]']),
+    ({"$ref": "#/$defs/mode"}, ["r"], []),  # a reference: untyped here, any text
+    ({"type": "object", "properties": {"m": {"$ref": "#/$defs/mode"}}}, ['{"m": "r"}'], ['{"m": "x"}']),
+])
+def test_text_values_follow_their_schema(stdlib_vocab, schema, good, bad):
+    """Each constraint kind of a parameter's schema, on the value as Step writes it:
+    a string as its own characters, anything else as JSON."""
+    rules = text_value_rules("v", schema, CLOSE, MARK, defs={"$defs": {"mode": {"enum": ["r", "w"]}}})
+    c = Constraint.compile(stdlib_vocab, "lark", "\n".join(["start: v", *rules]))
+    assert [t for t in good if not fits(stdlib_vocab, c, t)] == []
+    assert [t for t in bad if fits(stdlib_vocab, c, t)] == []
+
+
+def test_text_value_ends_at_its_close(stdlib_vocab):
+    """The value and its close are one lexeme: with a string that may hold newlines and
+    "<", the close can still end it (a string lexeme of its own never ended: the
+    lexer is greedy), and only once."""
+    rules = text_value_rules("v", {"type": "string"}, CLOSE, MARK)
+    c = Constraint.compile(stdlib_vocab, "lark", "\n".join(['start: v "next"', *rules]))
+    state = c.start()
+    state.advance_many(stdlib_vocab.tokenize(("line\n<b>\n" + CLOSE).encode(), add_special=False))
+    assert stdlib_vocab.detokenize(state.forced()) == "next"
+
+
+def test_empty_enum_is_an_error():
+    with pytest.raises(GrammarError, match="empty enum"):
+        text_value_rules("v", {"enum": []}, CLOSE, MARK)
+
+
+EDIT = {"type": "function", "function": {"name": "edit", "parameters": {
+    "type": "object", "additionalProperties": False,
+    "required": ["path", "mode", "line", "when", "tag", "ratio", "range", "ids"],
+    "properties": {
+        "path": {"type": "string", "maxLength": 16},
+        "mode": {"type": "string", "enum": ["read", "write"]},
+        "line": {"type": "integer", "minimum": 0, "maximum": 999},
+        "when": {"type": "string", "format": "date"},
+        "tag": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "force": {"type": "boolean"},
+        "range": {"type": "object", "additionalProperties": False, "required": ["from"],
+                  "properties": {"from": {"type": "integer", "minimum": 0, "maximum": 99},
+                                 "to": {"type": "integer", "minimum": 0, "maximum": 99}}},
+        "ids": {"type": "array", "maxItems": 3, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}}}}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_forced_call_arguments_validate(stdlib_vocab, seed):
+    """A forced Step call decoded from random logits parses into arguments that
+    validate against the tool's schema (every constraint kind at once)."""
+    from stepmtp.chat.step_format import StepParser
+    from stepmtp.server.chat import tool_call_grammar
+
+    state = Constraint.compile(stdlib_vocab, "lark", tool_call_grammar([EDIT], "edit", parallel=False)).start()
+    text = decode(stdlib_vocab, state, seed)
+    parser = StepParser(thinking=False, tools=[EDIT])
+    parser.feed(text)
+    parser.finish()
+    msg = parser.message()
+    assert msg["content"] == "" and len(msg["tool_calls"]) == 1, text
+    jsonschema.validate(json.loads(msg["tool_calls"][0]["function"]["arguments"]), EDIT["function"]["parameters"],
+                        format_checker=jsonschema.FormatChecker())

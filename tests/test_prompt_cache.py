@@ -118,26 +118,114 @@ def test_unified_cache_evicts_idle_prefixes_when_full(agree):
         assert len(out.tokens) == 8
 
 
-def test_kv_full_fails_only_the_request_that_does_not_fit(agree):
-    """Two generations in one small shared cache: when a round finds no room, only the
-    sequence whose rows do not fit fails (llama-server's error), the other finishes."""
-    from stepmtp import LlamaError
-
+def test_kv_full_preempts_and_resumes(agree):
+    """Two generations outgrow one small shared cache: the one whose rows do not fit
+    gives up its cells and waits (llama-server fails it, and the other with it), then
+    goes on from its prompt and output decoded again: both reach their context's end,
+    which one cache could not hold at once, each with the text it has alone."""
     with Engine(agree, mode="chain", n_max=3, n_ctx=256, n_parallel=2, kv_unified=True, n_ubatch=256,
                 n_batch=256) as eng:
         no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
-        a = eng.submit(PROMPT, n_predict=400, temperature=0, logit_bias=no_eos)
-        b = eng.submit("def parse(text):\n", n_predict=400, temperature=0, logit_bias=no_eos)
+        prompts = [eng.tokenize(PROMPT), eng.tokenize("def parse(text):\n")]
+        reqs = [eng.submit(p, n_predict=400, temperature=0, logit_bias=no_eos) for p in prompts]
         while eng.busy:
             eng.step()
-        failed = [r for r in (a, b) if r.error is not None]
-        done = [r for r in (a, b) if r.completion is not None]
-        assert len(failed) == 1 and len(done) == 1, [(r.error, r.completion and r.completion.finish_reason)
-                                                     for r in (a, b)]
-        assert isinstance(failed[0].error, LlamaError) and "Context size has been exceeded" in str(failed[0].error)
-        assert done[0].completion.finish_reason == "length"
+        assert [r.error for r in reqs] == [None, None]
+        out = [r.completion for r in reqs]
+        assert all(c.finish_reason == "length" and len(c.prompt_tokens) + len(c.tokens) == eng.n_ctx for c in out)
+        for p, c in zip(prompts, out):
+            assert c.stats.n_prompt == len(p)  # the prompt's count, whatever was decoded again
+            alone = eng.generate(p, n_predict=400, temperature=0, logit_bias=no_eos)
+            assert alone.tokens == c.tokens
         # the engine goes on
         assert len(eng.generate("x", n_predict=4, temperature=0).tokens) == 4
+
+
+def test_kv_full_with_no_slot_to_wait_for_ends_as_length(agree, monkeypatch):
+    """When no slot would free cells (every running one found no room), a generation
+    ends as one that reached its context: its text so far, "length"."""
+    from stepmtp.llama import KVFullError
+
+    with Engine(agree, mode="chain", n_max=3, n_ctx=512, n_parallel=2, kv_unified=True) as eng:
+        reqs = [eng.submit(p, n_predict=40, temperature=0) for p in (PROMPT, "def parse(text):\n")]
+        while not all(r.n_decoded >= 4 for r in reqs):
+            eng.step()
+        so_far = [list(r.out_tokens) for r in reqs]
+        monkeypatch.setattr(eng.driver, "round", lambda seqs: [KVFullError("no room") for _ in seqs])
+        eng.step()
+        monkeypatch.undo()
+        assert [r.error for r in reqs] == [None, None]
+        assert [r.completion.finish_reason for r in reqs] == ["length", "length"]
+        assert [r.completion.tokens for r in reqs] == so_far
+        assert all(r.completion.text == eng.model.detokenize(r.completion.tokens) for r in reqs)
+        assert eng.generate(PROMPT, n_predict=40, temperature=0).tokens[:len(so_far[0])] == so_far[0]
+
+
+def test_prompt_without_room_waits_for_a_busy_slot(agree):
+    """A prompt that finds no room in a shared cache a generation holds (not idle:
+    nothing to evict; paused, its client reading behind, so it is not preempted
+    either) waits for that slot to end instead of failing (llama-server: a 500);
+    both are served as each is alone."""
+    with Engine(agree, mode="chain", n_max=3, n_ctx=256, n_parallel=2, kv_unified=True, n_ubatch=256,
+                n_batch=256) as eng:
+        no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
+        text = "def parse(text):\n" * 6
+        long = eng.submit(PROMPT, n_predict=400, temperature=0, logit_bias=no_eos)
+        while len(long.prompt_tokens) + long.n_decoded < 250:
+            eng.step()
+        long.paused = True
+        late = eng.submit(text, n_predict=8, temperature=0)
+        for _ in range(40):  # its prompt finds no room at any size: it waits
+            eng.step()
+        assert late.error is None and late.completion is None
+        assert eng.slots.stalled  # nothing to step for until the client reads on
+        long.paused = False
+        while eng.busy:
+            eng.step()
+        assert long.error is None and late.error is None
+        assert len(long.prompt_tokens) + len(long.completion.tokens) == eng.n_ctx
+        assert late.completion.tokens == eng.generate(text, n_predict=8, temperature=0).tokens
+        assert long.completion.tokens == eng.generate(PROMPT, n_predict=400, temperature=0, logit_bias=no_eos).tokens
+
+
+def test_host_restore_without_room_evicts_then_decodes_afresh(agree):
+    """A prompt kept in host memory (--cache-ram) goes back into a full shared cache:
+    idle slots' caches make room for it, and when none is idle (the others are
+    generating) the prompt is decoded afresh, the state kept for later. Either way the
+    request is served, with the output it has without any cache."""
+    with Engine(agree, mode="chain", n_max=3, n_ctx=1024, n_parallel=3, kv_unified=True, cache_ram_mib=64,
+                n_batch=64, n_ubatch=64) as eng:
+        no_eos = {t: float("-inf") for t in range(eng.model.n_vocab) if eng.model.is_eog(t)}
+        texts = [PROMPT * 20, "class Parser:\n    '''Parse it.'''\n" * 30, "x = [1, 2, 3]\n" * 60]
+        a, b, c = (eng.tokenize(t)[:340] for t in texts)
+
+        def kept(prompt):
+            return any(common_prefix(st.tokens, prompt) >= 340 for st in eng.driver.host._items.values())
+
+        first = eng.generate(a, n_predict=8, temperature=0)
+        again = a + first.tokens[:-1] + eng.tokenize("\n    x = 1\n", add_special=False)
+        ref = eng.generate(again, n_predict=N, temperature=0, cache_prompt=False, logit_bias=no_eos)
+        for p in (a, b, c):
+            eng.generate(p, n_predict=8, temperature=0)
+        # c took the cells a held: a is in host memory, b and c leave too few cells for it
+        assert kept(again) and eng.driver.cached_tokens(0) == []
+        out = eng.generate(again, n_predict=N, temperature=0, logit_bias=no_eos)
+        # it came back: idle b's cells gave way
+        assert out.tokens == ref.tokens and out.stats.n_prompt_cached >= 340
+
+        # now with b and c generating: nothing to evict, it is decoded afresh
+        eng.generate(b, n_predict=8, temperature=0)
+        eng.generate(c, n_predict=8, temperature=0)
+        assert kept(again)
+        busy = [eng.submit(p + [7] * 20, n_predict=24, temperature=0, logit_bias=no_eos) for p in (b, c)]
+        while any(r.state.seq_id < 0 or r.state.prefilling for r in busy):
+            eng.step()
+        late = eng.submit(again, n_predict=N, temperature=0, logit_bias=no_eos)
+        while eng.busy:
+            eng.step()
+        assert late.error is None and all(r.error is None for r in busy)
+        assert late.completion.tokens == ref.tokens and late.completion.stats.n_prompt_cached == 0
+        assert kept(again)
 
 
 @pytest.mark.parametrize("cfg", [dict(mode="chain", n_max=3, adaptive=False),
@@ -232,3 +320,45 @@ def test_host_memory_keeps_a_conversation_another_one_displaced(agree, cfg):
         eng.generate(a, n_predict=N, temperature=0)
         eng.generate(b, n_predict=N, temperature=0)
         assert eng.generate(follow, n_predict=N, temperature=0).stats.n_prompt_cached == 0
+
+
+def test_server_full_shared_cache_serves_both(agree, tmp_path):
+    """Two answers that outgrow one small shared cache, one streamed: both are 200s
+    that go on to their context's end, finish_reason "length" (llama-server fails the
+    one that finds no room, and every running slot with it)."""
+    import json
+
+    import httpx
+
+    from tests.test_server import running
+
+    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "256", "-np", "2", "--kv-unified", "-b", "256",
+            "-ub", "256", "-t", "1"]
+    with running(args, tmp_path) as srv:
+        results = {}
+
+        def whole():
+            r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+                "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+            results["whole"] = (r.status_code, r.json())
+
+        def streamed():
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=120, json={
+                    "prompt": "def parse(text):\n", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+                results["streamed"] = (r.status_code, events)
+
+        ts = [threading.Thread(target=f) for f in (whole, streamed)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        code, body = results["whole"]
+        assert code == 200 and body["choices"][0]["finish_reason"] == "length", body
+        assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 256
+        code, events = results["streamed"]
+        assert code == 200 and all("error" not in e for e in events), events[-1]
+        assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "length"
+        assert events[-1]["usage"]["prompt_tokens"] + events[-1]["usage"]["completion_tokens"] == 256

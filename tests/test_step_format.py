@@ -44,7 +44,7 @@ def ids():
 def parse(pieces, **kwargs):
     """Feeds the pieces; returns the message and the deltas, checked to add up to it."""
     kwargs.setdefault("id_factory", ids())
-    parser = StepParser(**kwargs)
+    parser = StepParser(**{k: v for k, v in kwargs.items() if k != "complete"})
     deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
     msg = parser.message()
     assert "".join(d.reasoning for d in deltas) == (msg["reasoning_content"] or "")
@@ -59,8 +59,9 @@ def parse(pieces, **kwargs):
             assert tc.index == len(calls) - 1 and tc.id is None and tc.name is None
             calls[-1]["function"]["arguments"] += tc.arguments
     assert calls == msg["tool_calls"]
-    for call in calls:
-        json.loads(call["function"]["arguments"])
+    if kwargs.get("complete", True):
+        for call in calls:
+            json.loads(call["function"]["arguments"])
     return msg, deltas
 
 
@@ -184,14 +185,25 @@ def test_call_broken_after_its_header_is_closed_and_the_rest_is_content():
 
 
 def test_generation_ending_inside_a_call():
-    head = "r\n</think>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-    check(head + "<parameter=days>\n4", tools=TOOLS, reasoning="r", content="<parameter=days>\n4",
-          calls=[("get_weather", '{"city": "Paris"}')])
-    check(head + "<param", tools=TOOLS, reasoning="r", content="<param",
-          calls=[("get_weather", '{"city": "Paris"}')])
-    check(head, tools=TOOLS, reasoning="r", calls=[("get_weather", '{"city": "Paris"}')])
-    check("r\n</think>\n<tool_call>\n<function=get_wea", tools=TOOLS, reasoning="r",
-          content="<tool_call>\n<function=get_wea")
+    """Cut by max_tokens: llama-server's arguments (the JSON so far, left open), and
+    none of the call's text in the content."""
+    head = "r\n</think>\nSo:\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    cut = {"tools": TOOLS, "reasoning": "r", "content": "So:", "complete": False}
+    check(head + "<parameter=days>\n4", calls=[("get_weather", '{"city": "Paris", "days": 4')], **cut)
+    check(head + "<param", calls=[("get_weather", '{"city": "Paris"')], **cut)
+    check(head + "</func", calls=[("get_weather", '{"city": "Paris"')], **cut)
+    check(head, calls=[("get_weather", '{"city": "Paris"')], **cut)
+    start = "r\n</think>\nSo:\n<tool_call>\n<function=write_file>\n"
+    check(start + "<parameter=content>\nline one\n  two \"q\"\n</param",
+          calls=[("write_file", '{"content": "line one\\n  two \\"q\\"')], **cut)
+    check(start + "<parameter=content>\n", calls=[("write_file", '{"content": "')], **cut)
+    check(start, calls=[("write_file", "{")], **cut)
+    check(start + "<parameter=path>\na\n</parameter>\n</function>\n</tool_c",
+          calls=[("write_file", '{"path": "a"}')], **{**cut, "complete": True})
+    check("r\n</think>\nSo:\n<tool_call>\n<function=get_wea", **cut)
+    check("r\n</think>\nSo:\n<tool", **cut)
+    # a prefix of no marker stays text
+    check("r\n</think>\nSo: <b", **{**cut, "content": "So: <b"})
 
 
 def test_missing_tool_call_close_is_tolerated():
@@ -202,7 +214,7 @@ def test_missing_tool_call_close_is_tolerated():
 
 def test_literal_angle_brackets_are_text():
     check("if a < b and x </y then <tool\n</think>\n1 < 2, </b> and <tool_cal> <tool_call",
-          tools=TOOLS, reasoning="if a < b and x </y then <tool", content="1 < 2, </b> and <tool_cal> <tool_call")
+          tools=TOOLS, reasoning="if a < b and x </y then <tool", content="1 < 2, </b> and <tool_cal>")
     check("a </think bit\n</think>\n</</think>", reasoning="a </think bit", content="</</think>")
 
 

@@ -46,6 +46,7 @@ tokens given to ``advance``".
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -67,6 +68,7 @@ __all__ = [
     "GrammarError",
     "Vocabulary",
     "bitmasks_along_many",
+    "text_value_rules",
     "vocabulary",
 ]
 
@@ -251,6 +253,103 @@ def _typed_as_llama_cpp(schema: Any) -> Any:
     elif "pattern" in out or out.get("format") in _STRING_FORMATS:
         out["type"] = "string"
     return out
+
+
+# -- one value written as text, held to its JSON schema (XML-like tool calls) ----------
+
+# the string formats llama.cpp's schema converter knows, as the text they stand for
+_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?([zZ]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_HEX = "[0-9a-fA-F]"
+_TEXT_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}[tT]{_TIME}",
+    "uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
+}
+_ANY = "(?s:.*)"
+
+
+def _schema_type_set(schema: dict[str, Any]) -> set[str] | None:
+    t = schema.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return set(t)
+    return None
+
+
+def _text_literal(v: Any) -> str:
+    """An enum or const value as such a format writes it: a string as itself."""
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+
+
+def _pattern_regex(pattern: str) -> str:
+    """A JSON schema ``pattern`` as a regex over the whole text. JSON schema searches
+    (``"a+"`` holds for ``"bab"``), as llguidance's converter does for
+    ``response_format``: an end without its anchor takes any text."""
+    head = pattern.startswith("^")
+    tail = pattern.endswith("$") and not pattern.endswith("\\$")
+    core = pattern[1 if head else 0: len(pattern) - 1 if tail else len(pattern)]
+    return ("" if head else _ANY) + f"(?:{core})" + ("" if tail else _ANY)
+
+
+def text_value_rules(name: str, schema: Any, close: str, marker: str,
+                     json_options: dict[str, Any] | None = None,
+                     defs: dict[str, Any] | None = None) -> list[str]:
+    """Lark rules (llguidance's dialect) defining the rule ``name``: one value as
+    XML-like tool-call formats write it (Step's, Qwen3-Coder's: a string as its own
+    characters, any other value as JSON), held to its JSON schema, then ``close``,
+    the markup that ends it.
+
+    A string's text never holds ``marker`` (the parser ends the value at the first
+    one) and follows the schema's ``enum``/``const``, ``minLength``/``maxLength``,
+    ``pattern`` (but one llguidance cannot compile) and the ``format``s llama.cpp
+    knows (others: any text, as there). It is one lexeme with ``close``: llguidance's
+    lexer is greedy, and a string that can go on with ``close``'s first characters (a
+    newline, ``<``) would never end.
+
+    Any other value is JSON under llguidance's schema converter, as
+    ``response_format`` is (lenient: what it does not support is not enforced, as
+    with llama.cpp's converter); ``defs``: the tool's ``$defs``, for its ``$ref``s.
+    A schema that allows a string and other types, or says nothing of its type,
+    takes any text, as llama.cpp's grammar does (a string of digits is a string)."""
+    if not isinstance(schema, dict):
+        schema = {}
+    terminal = name.upper()
+    literals = schema.get("enum") if isinstance(schema.get("enum"), list) else (
+        [schema["const"]] if "const" in schema else None)
+    types = _schema_type_set(schema)
+    if literals is not None:
+        if not literals:
+            raise GrammarError("an empty enum allows no value")
+        body = "(" + " | ".join(json.dumps(_text_literal(v), ensure_ascii=False) for v in literals) + ")"
+    elif types is not None and "string" not in types:
+        sub = _typed_as_llama_cpp(schema)
+        sub = {**sub, "x-guidance": {**JSON_DEFAULTS, "lenient": True, **(json_options or {})}}
+        for key, value in (defs or {}).items():
+            sub.setdefault(key, value)
+        return [f"{name}: %json {json.dumps(sub, ensure_ascii=False)} {json.dumps(close, ensure_ascii=False)}"]
+    else:
+        parts = []
+        if types == {"string"}:
+            lo, hi = schema.get("minLength"), schema.get("maxLength")
+            if isinstance(lo, int) or isinstance(hi, int):
+                lo = lo if isinstance(lo, int) and lo > 0 else 0
+                hi = "" if not isinstance(hi, int) or hi < 0 else str(hi)
+                parts.append(f"/(?s:.{{{lo},{hi}}})/")
+            if isinstance(schema.get("pattern"), str):
+                rx = "/" + llg.regex_to_lark(_pattern_regex(schema["pattern"]), "dw") + "/"
+                # one llguidance cannot compile (a look-around) is not enforced, as
+                # the rest of what the lenient converter does not support
+                if not llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(f"start: {rx}")):
+                    parts.append(rx)
+            if schema.get("format") in _TEXT_FORMATS:
+                parts.append("/" + _TEXT_FORMATS[schema["format"]] + "/")
+        # a negation may match bytes that are not UTF-8: another part keeps to text
+        mark = llg.regex_to_lark(re.escape(marker))
+        body = "(" + " & ".join(parts or [f"/{_ANY}/"]) + f" & ~/{_ANY}{mark}{_ANY}/)"
+    return [f"{name}: {terminal}", f"{terminal}: {body} {json.dumps(close, ensure_ascii=False)}"]
 
 
 _executor: llg.LLExecutor | None = None

@@ -462,8 +462,8 @@ class MTPDriver:
             key, n_host = self.host.best(prompt, common_prefix)
             if n_host > shared + self.HOST_MIN_GAIN:
                 self._stash(s.seq_id, keep=shared)
-                self.load(s.seq_id, self.host.take(key))
-                c, shared = self.cache[s.seq_id], n_host
+                restored = self._restore(s.seq_id, self.host.take(key))
+                c, shared = (self.cache[s.seq_id], n_host) if restored else (None, 0)
         # at least the prompt's last token is decoded (its logits give the first
         # token); and the one before it too, its trunk row anchoring the heads' first
         # new position when speculating (trunk rows are not kept, only the KV). Without
@@ -516,7 +516,13 @@ class MTPDriver:
             s.anchors = s.anchors or _Anchors(self.n_embd, 2 * self.n_chunk)
             s.anchors.reset()
         if n_keep:
-            self._reuse(s, c, n_keep, ck)
+            try:
+                self._reuse(s, c, n_keep, ck)
+            except LlamaError:
+                # a checkpoint's cells find no room in a shared cache: a cache is an
+                # optimisation, the prompt is decoded afresh
+                self.release(s.seq_id)
+                self.start(s, prompt, reuse=False)
 
     def _reuse(self, s: SeqState, c: _Cache, n_keep: int, ck: Checkpoint | None) -> None:
         """Keep the cached KV of positions [0, n_keep) (the target decodes from
@@ -597,6 +603,24 @@ class MTPDriver:
                 A.append(tok, rows)
         self.cache[seq_id] = _Cache(list(st.tokens), list(st.kv_valid), A, None, next(self._clock),
                                     list(st.checkpoints))
+
+    def _restore(self, seq_id: int, st: SlotState) -> bool:
+        """``load`` a state from host memory into slot ``seq_id``. A shared cache short
+        of cells for it gives up idle slots' caches (least recently used first) and it
+        is tried again; when none is left, the state goes back to host memory and the
+        answer is False (the prompt is decoded afresh). A failed load leaves nothing in
+        the slot: llama.cpp may have restored the target's full-attention cells and not
+        its sliding-window ones, or the target and not a head."""
+        while True:
+            try:
+                self.load(seq_id, st)
+                return True
+            except LlamaError:
+                self.release(seq_id)
+                if not self.evict_lru():
+                    if self.host is not None:
+                        self.host.put(st)
+                    return False
 
     def save_cache(self, seq_id: int, path: Path) -> tuple[int, int]:
         """Slot ``seq_id``'s cache to files: the target's sequence in llama.cpp's

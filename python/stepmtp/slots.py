@@ -5,7 +5,9 @@ scheduling step: requests waiting for a slot take the free ones, then every slot
 past its prompt runs one MTP round *together* (``MTPDriver.round`` with all of
 them: one target decode and one decode per draft step for all), then one chunk of
 one waiting prompt is decoded, so a long prompt never stalls the running streams
-for more than a chunk. A new request joins between two steps.
+for more than a chunk. A new request joins between two steps. A generation a shared
+KV cache has no room for gives up its slot while the others go on, and resumes once
+one of them ends (``Slots._no_room``).
 
 Nobody owns a scheduling thread: whichever caller needs progress takes the engine's
 lock and steps for everyone (``Engine.stream`` does), so several threads calling
@@ -170,6 +172,13 @@ class Request:
         self.completion: Completion | None = None
         self.error: BaseException | None = None
         self.cancelled = False
+        #: ended by a full shared cache (run_out): its slot's KV is not kept
+        self.kv_lost = False
+        #: preempted by a full shared cache: it waits until fewer than this many slots
+        #: are busy, then goes on from its prompt and output decoded again (0: never)
+        self.resume_below = 0
+        #: its prompt's counts, kept across a preemption (n_prompt, n_prompt_cached)
+        self._prompt_counts: tuple[int, int] | None = None
         #: its consumer is behind: it sits out the rounds (not the prompt) until it catches up
         self.paused = False
         self._t_gen = 0.0
@@ -215,14 +224,14 @@ class Request:
                 self.stop_type, self.finish, unsent = "word", "stop", [tok]
                 self._unsent_probs = tp
                 break
-            if 0 < self.n_predict <= len(self.out_tokens):
+            # llama-server without context shift stops as the next token would fill the
+            # context's last cell (prompt + generated + 1 >= n_ctx)
+            if 0 < self.n_predict <= len(self.out_tokens) or \
+                    len(self.prompt_tokens) + len(self.out_tokens) >= n_ctx_seq:
                 self.stop_type, self.finish, unsent = "limit", "length", [tok]
                 self._unsent_probs = tp
                 break
             self.chunks.append(Chunk(self.asm.take(), [tok], probs=tp))
-        else:
-            if self.state.pos >= n_ctx_seq:  # no room to decode id_last: the context is full
-                self.stop_type, self.finish = "limit", "length"
         if self.stop_type != "none":
             self._finish(unsent)
 
@@ -245,6 +254,28 @@ class Request:
             probs=self.probs,
             slot=max(0, self.state.seq_id),
         )
+
+    @property
+    def resuming(self) -> bool:
+        return self._prompt_counts is not None
+
+    def run_out(self) -> None:
+        """A shared KV cache has no room left for the next tokens, and no other slot
+        will free any: the generation ends as one that reached its context (the text
+        so far, "length"), where llama-server fails it, and every running slot with it.
+        Its cells are not kept (the driver may have freed them for the others)."""
+        if not self.done:
+            self.kv_lost = True
+            self.stop_type, self.finish = "limit", "length"
+            self._finish([])
+
+    def resumed(self) -> None:
+        """Its prompt (and output, after a preemption) is decoded: the counts it
+        reports are its prompt's, whatever was decoded again."""
+        if self._prompt_counts is not None:
+            st = self.state.stats
+            st.n_prompt, st.n_prompt_cached = self._prompt_counts
+            self._prompt_counts = None
 
     def fail(self, error: BaseException) -> None:
         if not self.done:
@@ -285,8 +316,10 @@ class Slots:
 
     @property
     def stalled(self) -> bool:
-        """Nothing to do but wait: every slot's request is paused, none waits for one."""
-        return (not self.waiting and any(r is not None for r in self.slots)
+        """Nothing to do but wait: every slot's request is paused, and none waits for
+        one (or the first that waits, waits for one of them to end: ``_no_room``)."""
+        head = self.waiting[0] if self.waiting else None
+        return ((head is None or 0 < head.resume_below <= self.n_busy) and any(r is not None for r in self.slots)
                 and all(r is None or (r.paused and not r.state.prefilling) for r in self.slots))
 
     @property
@@ -306,34 +339,65 @@ class Slots:
             states = [r.state for r in running]
             try:
                 outs = drv.round(states)
+            except KVFullError as e:
+                outs = [e]  # one sequence alone, and no room for its next token
             except LlamaError as e:
                 # a round is shared: what failed it (a backend error) fails its members;
                 # the slots are freed and the engine stays usable
+                outs = []
                 for r in running:
-                    r.fail(_context_exceeded(e) if isinstance(e, KVFullError) else e)
-            else:
-                for r, out in zip(running, outs):
-                    if isinstance(out, LlamaError):  # this one found no room: it alone fails
-                        r.fail(_context_exceeded(out))
-                    else:
-                        r.feed(out, self.model, drv.n_ctx_seq)
+                    r.fail(e)
+            stuck = [r for r, out in zip(running, outs) if isinstance(out, LlamaError)]
+            for r, out in zip(running, outs):
+                if isinstance(out, LlamaError):
+                    self._no_room(r, len(stuck))
+                else:
+                    r.feed(out, self.model, drv.n_ctx_seq)
         prefilling = [r for r in self.slots if r is not None and r.state.prefilling]
         if prefilling:
             r = prefilling[self._next_prefill % len(prefilling)]
             self._next_prefill += 1
             try:
                 done = drv.prefill(r.state)
-                r.report_progress()
+                if not r.resuming:
+                    r.report_progress()
                 if done:
+                    r.resumed()
                     r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
             except KVFullError as e:
                 # as llama-server: idle slots' cached prefixes went first (the driver),
-                # then smaller chunks; a prompt that still finds no room fails alone
+                # then smaller chunks; then it waits for a busy slot to end, and one that
+                # finds no room with none busy fails alone
                 if not drv.shrink_chunk(r.state):
-                    r.fail(_context_exceeded(e))
+                    if self.n_busy > 1 or r.out_tokens:
+                        self._no_room(r, 1)
+                    else:
+                        r.fail(_context_exceeded(e))
             except LlamaError as e:
                 r.fail(e)
         self._release_finished()
+
+    def _no_room(self, r: Request, n_stuck: int) -> None:
+        """A shared cache has no room for ``r``'s next tokens or its prompt (``n_stuck``
+        of the busy slots found none this step). While another slot goes on (it frees
+        cells when it ends), ``r`` is preempted: its slot and cells are given up, and it
+        waits to go on from its prompt and output decoded again, its text so far kept,
+        as vLLM recomputes a preempted sequence. Else it ends as one that reached its
+        context."""
+        slot = r.state.seq_id
+        if self.n_busy <= n_stuck or r.cancelled:
+            r.run_out()
+            return
+        st = r.state.stats
+        if r.out_tokens and r._prompt_counts is None:
+            r._prompt_counts = (st.n_prompt, st.n_prompt_cached)
+        self.driver.release(slot)
+        self.slots[slot] = None
+        r.resume_below = self.n_busy
+        r.state.seq_id = -1
+        r.state.chunk_limit = SeqState.chunk_limit  # its prompt goes back in whole chunks
+        with self._lock:
+            self.waiting.appendleft(r)
 
     def _admit(self) -> None:
         with self._lock:
@@ -341,21 +405,25 @@ class Slots:
                 if self.waiting[0].cancelled:
                     self.waiting.popleft().fail(_cancelled())
                     continue
+                if self.waiting[0].resume_below and self.n_busy >= self.waiting[0].resume_below:
+                    return  # a preempted request waits for a slot to end and free cells
                 slot = self._pick_slot(self.waiting[0])
                 if slot < 0:
                     return
                 req = self.waiting.popleft()
                 req.state.seq_id = slot
+                req.resume_below = 0
                 self._used[slot] = next(self._clock)
                 try:
-                    self.driver.start(req.state, req.prompt_tokens, reuse=req.cache_prompt)
+                    self.driver.start(req.state, req.prompt_tokens + req.out_tokens, reuse=req.cache_prompt)
                 except (ValueError, LlamaError) as e:
                     self.driver.release(slot)
                     req.fail(e)
                     continue
                 self.slots[slot] = req
                 self.last[slot] = req
-                req.report_progress()  # the first: what the cache held
+                if not req.resuming:
+                    req.report_progress()  # the first: what the cache held
 
     def _pick_slot(self, req: Request) -> int:
         """The free slot for ``req`` (-1: none free)."""
@@ -381,8 +449,9 @@ class Slots:
             if r.done:
                 self.slots[i] = None
                 # its KV stays for the next request that shares a prefix with it, unless
-                # a decode failed in its middle
-                self.driver.finish(r.state, keep=r.error is None or isinstance(r.error, Cancelled))
+                # a decode failed in its middle or the cache ran out of room for it
+                self.driver.finish(r.state, keep=(r.error is None or isinstance(r.error, Cancelled))
+                                   and not r.kv_lost)
 
     def drop(self, req: Request) -> None:
         """Cancel ``req`` and free what it holds now (its consumer went away)."""

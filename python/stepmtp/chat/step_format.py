@@ -36,10 +36,13 @@ newline around every value):
 
 A ``<tool_call>`` whose header (``<function=NAME>``) does not follow is text. A
 call that goes wrong after its header (text that is neither a parameter nor
-``</function>``, or generation ending inside it) has already been announced to
-the client, so it is closed with the parameters completed so far, and the raw
-rest of it goes back to the text it interrupted. Nothing here raises on what the
-model wrote.
+``</function>``) has already been announced to the client, so it is closed with
+the parameters completed so far, and the raw rest of it goes back to the text it
+interrupted. Generation ending inside a call (``max_tokens``) leaves it as
+llama-server does: the arguments are the JSON written so far, left open (a string
+value cut short is ``"text`` without its closing quote, a marker's first
+characters dropped), a call cut before its name is no call, and none of its text
+is content. Nothing here raises on what the model wrote.
 """
 from __future__ import annotations
 
@@ -315,9 +318,11 @@ class StepParser:
         markers = self._markers()
         found = [(i, m) for m in markers if (i := self._buf.find(m)) >= 0]
         if not found:
-            keep = 0 if final else _held_suffix(self._buf, markers)
+            keep = _held_suffix(self._buf, markers)
+            if final and not (self._props is not None and _grows_into(self._buf[len(self._buf) - keep:], CALL_OPEN)):
+                keep = 0  # only a call's first characters are not text at the end
             self._text(self._buf[:len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
+            self._buf = "" if final else self._buf[len(self._buf) - keep:]
             return False
         at, marker = min(found)
         self._text(self._buf[:at])
@@ -333,6 +338,9 @@ class StepParser:
         name, end = _header_name(rest, FUNCTION_OPEN, final)
         if end == 0:
             return False
+        if name is None and final and _header_name(rest, FUNCTION_OPEN, False)[1] == 0:
+            self._buf, self._state = "", TEXT  # cut before its name: no call, and not text
+            return True
         if name is None:
             # not a call after all: the marker is text, and what follows is scanned again
             self._text(CALL_OPEN)
@@ -361,6 +369,9 @@ class StepParser:
         if end == 0 or (not final and _grows_into(rest, FUNCTION_CLOSE)):
             self._buf = rest
             return False
+        if final and (_header_name(rest, PARAM_OPEN, False)[1] == 0 or _grows_into(rest, FUNCTION_CLOSE)):
+            self._cut_call()
+            return True
         self._buf = rest
         self._close_call(TEXT)
         return True
@@ -369,21 +380,35 @@ class StepParser:
         end = self._buf.find(PARAM_CLOSE, self._searched)
         if end < 0:
             if final:
-                self._buf = f"{PARAM_OPEN}{self._key}>" + self._buf
-                self._close_call(TEXT)
+                self._put_param(self._partial_value())
+                self._cut_call()
                 return True
             # a value (a whole file, say) arrives token by token: scan each part once
             self._searched = max(0, len(self._buf) - len(PARAM_CLOSE) + 1)
             return False
-        call = self._call
-        value = convert_value(self._buf[:end], _schema_types(call["props"].get(self._key)))
-        piece = (json.dumps(self._key, ensure_ascii=False) + ": "
-                 + json.dumps(value, ensure_ascii=False))
-        self._put_call(("{" if not call["params"] else ", ") + piece)
-        call["params"] += 1
+        value = convert_value(self._buf[:end], _schema_types(self._call["props"].get(self._key)))
+        self._put_param(json.dumps(value, ensure_ascii=False))
         self._buf = self._buf[end + len(PARAM_CLOSE):]
         self._state = BODY
         return True
+
+    def _put_param(self, value: str) -> None:
+        """The parameter being read, its value as JSON text, into the arguments."""
+        call = self._call
+        self._put_call(("{" if not call["params"] else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " + value)
+        call["params"] += 1
+
+    def _partial_value(self) -> str:
+        """The value cut short, as llama-server's arguments hold it: the JSON types'
+        text as it is, anything else as a string left open."""
+        raw = self._buf[1:] if self._buf.startswith("\n") else self._buf
+        close = "\n" + PARAM_CLOSE
+        raw = raw[:len(raw) - next((n for n in range(min(len(raw), len(close)), 0, -1)
+                                    if close.startswith(raw[-n:])), 0)]
+        types = _schema_types(self._call["props"].get(self._key))
+        if types and types <= JSON_TYPES:
+            return raw
+        return json.dumps(raw, ensure_ascii=False)[:-1]
 
     def _close_call(self, state: str) -> None:
         self._put_call("}" if self._call["params"] else "{}")
@@ -391,13 +416,23 @@ class StepParser:
         self._lead = WS
         self._state = state
 
+    def _cut_call(self) -> None:
+        """Generation ended inside the call: its arguments stay open, the rest goes."""
+        if not self._call["params"]:
+            self._put_call("{")
+        self._call = None
+        self._buf = ""
+        self._state = TEXT
+
     def _tail(self, final: bool) -> bool:
         rest = self._buf.lstrip(WS)
         if rest.startswith(CALL_CLOSE):
             self._buf = rest[len(CALL_CLOSE):]
-        elif not final and _grows_into(rest, CALL_CLOSE):
-            self._buf = rest
-            return False
+        elif _grows_into(rest, CALL_CLOSE):
+            if not final:
+                self._buf = rest
+                return False
+            self._buf = ""  # cut inside </tool_call>: none of it is text
         else:
             # </tool_call> is missing: the call is complete anyway, the rest is text
             self._buf = rest

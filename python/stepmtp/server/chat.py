@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..budget import ReasoningBudget
-from ..chat.step_format import REASONING_FORMATS, Delta, StepParser, ToolCallDelta
+from ..chat.step_format import (CALL_CLOSE, CALL_OPEN, FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN,
+                                REASONING_FORMATS, Delta, StepParser, ToolCallDelta)
+from ..grammar import GrammarError, text_value_rules
 from .errors import bad_request
 
 __all__ = ["ChatFormat", "normalize_messages", "preserved_tokens", "delta_json", "REASONING_FORMATS"]
@@ -179,39 +181,19 @@ def _call_delta(c: ToolCallDelta) -> dict[str, Any]:
 
 # -- tool_choice "required" or a named function: the call, forced by a grammar ---------
 
-_LARK_VALUES = {
-    "integer": '/-?(0|[1-9][0-9]{0,15})/',
-    "number": '/-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,8})?([eE][-+]?[0-9]{1,3})?/',
-    "boolean": '"true" | "false"',
-    "null": '"null"',
-    # a value may span lines and hold "<", but not "</" (the markup that ends it)
-    "string": '/([^<]|<[^\\/])*/',
-}
+_VALUE_OPEN, _VALUE_CLOSE = "\n", "\n</parameter>\n"  # the newlines Step's template writes around a value
 
 
 def _lark_str(s: str) -> str:
-    return json.dumps(s)
-
-
-def _value_rule(schema: Any) -> str:
-    """A Lark expression for one parameter value as Step writes it: scalars as text,
-    objects and arrays as JSON (checked against their schema)."""
-    if not isinstance(schema, dict):
-        return _LARK_VALUES["string"]
-    if "enum" in schema and all(isinstance(v, (str, int, float, bool)) for v in schema["enum"]):
-        return " | ".join(_lark_str(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"])
-    t = schema.get("type")
-    if isinstance(t, list):
-        t = next((x for x in t if x != "null"), "string")
-    if t in ("object", "array"):
-        return "%json " + json.dumps(schema)
-    return _LARK_VALUES.get(t or "string", _LARK_VALUES["string"])
+    return json.dumps(s, ensure_ascii=False)
 
 
 def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, parallel: bool = True) -> str:
     """A Lark grammar (llguidance's dialect) of one or more Step-format calls of the
-    given tools (or of the function ``name``), required parameters first, each value
-    of its schema's type."""
+    given tools (or of the function ``name``): the required parameters, then any of
+    the others, in the schema's order (no other key: as llama.cpp's grammar, whatever
+    ``additionalProperties`` says), each value held to its schema
+    (``grammar.text_value_rules``)."""
     fns = [t["function"] for t in tools if isinstance(t.get("function"), dict)]
     if name is not None:
         fns = [f for f in fns if f.get("name") == name]
@@ -220,17 +202,22 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, para
     rules = []
     alts = []
     for i, f in enumerate(fns):
-        params = (f.get("parameters") or {}).get("properties") or {}
-        required = [k for k in (f.get("parameters") or {}).get("required") or [] if k in params]
+        schema = f.get("parameters") if isinstance(f.get("parameters"), dict) else {}
+        params = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = [k for k in schema.get("required") or [] if k in params]
         optional = [k for k in params if k not in required]
+        defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
         parts = []
         for j, key in enumerate(required + optional):
             rule = f"p{i}_{j}"
-            rules.append(f'{rule}: {_lark_str("<parameter=" + key + ">" + chr(10))} ({_value_rule(params[key])}) '
-                         f'{_lark_str(chr(10) + "</parameter>" + chr(10))}')
+            try:
+                rules += text_value_rules(f"v{i}_{j}", params[key], _VALUE_CLOSE, PARAM_CLOSE, defs=defs)
+            except GrammarError as e:
+                raise bad_request(f"tools: {f['name']}'s parameter {key!r}: {e}") from None
+            rules.append(f"{rule}: {_lark_str(PARAM_OPEN + key + '>' + _VALUE_OPEN)} v{i}_{j}")
             parts.append(rule if key in required else f"{rule}?")
-        head = _lark_str(f"<tool_call>\n<function={f['name']}>\n")
-        tail = _lark_str("</function>\n</tool_call>")
+        head = _lark_str(f"{CALL_OPEN}\n{FUNCTION_OPEN}{f['name']}>\n")
+        tail = _lark_str(f"{FUNCTION_CLOSE}\n{CALL_CLOSE}")
         rules.append(f"call{i}: {head} {' '.join(parts)} {tail}")
         alts.append(f"call{i}")
     if not alts:

@@ -185,6 +185,14 @@ def n_decoded(c: Completion) -> int:
     return c.stats.n_predicted if c.stats.n_predicted else len(c.tokens)
 
 
+def pieces_text(model: Any, tokens: list[int]) -> str:
+    """llama-server's /detokenize (tokens_to_str): each token's piece, special tokens
+    written out, joined; not llama_detokenize, whose clean-up of a vocabulary's
+    spaces ("clean_up_tokenization_spaces", on for GPT-2-style ones) turns
+    "France ?" into "France?"."""
+    return b"".join(model.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
+
+
 def truncated(c: Completion, info: ResultInfo) -> bool:
     """The context filled before n_predict (or an end) was reached."""
     return c.stop_type == "limit" and not 0 < info.settings.n_predict <= len(c.tokens)

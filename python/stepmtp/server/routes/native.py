@@ -65,7 +65,7 @@ async def detokenize(request: Request) -> dict[str, str]:
     eng = service(request).state.need_engine()
     req = await body(request, DetokenizeRequest)
     check_tokens(eng, req.tokens)
-    text = await off_loop(len(req.tokens), eng.model.detokenize, req.tokens, unparse_special=True)
+    text = await off_loop(len(req.tokens), F.pieces_text, eng.model, req.tokens)
     return {"content": text}
 
 
