@@ -29,7 +29,7 @@ def simulate(planner: DraftPlanner, accepts, rounds: int, verify=cpu_verify, ste
     s's draft d is accepted given the ones before); the lengths planned, per round."""
     rng = random.Random(seed)
     n = len(accepts(0) if callable(accepts) else accepts)
-    pols = [planner.policy(keys[s] if keys else 0.0) for s in range(n)]
+    pols = [planner.policy(keys[s] if keys else regime(True, 0.0)) for s in range(n)]
     out = []
     for r in range(rounds):
         acc = accepts(r) if callable(accepts) else accepts
@@ -141,7 +141,7 @@ def test_acceptance_is_kept_per_sampling_regime():
     """Greedy sequences draft; sequences sampling at temperature 1 (their drafts rarely
     accepted) do not drag the greedy ones' prior down, nor the other way round."""
     p = DraftPlanner(3)
-    keys = [regime(True, 0.0), regime(False, 1.0)]
+    keys = [regime(True, 0.0), regime(False, 1.0, True)]
     plans = simulate(p, [T0, (0.2, 0.2, 0.2)], 600, keys=keys, verify=lambda r: 0.6 + 0.4 * r)
     assert p.record_for(keys[0]).estimate(p.rounds)[0] > 0.8
     assert np.mean([x[0] for x in plans[100:]]) > 1.5
@@ -159,7 +159,7 @@ def test_a_sequence_that_starts_drafting_again_holds_on_a_few_rounds():
 
 def test_caps_and_n_min_bound_the_plan():
     p = DraftPlanner(3)
-    pol = [p.policy(0.0, n_min=2), p.policy(0.0)]
+    pol = [p.policy(regime(True, 0.0), n_min=2), p.policy(regime(True, 0.0))]
     for _ in range(200):
         lens = p.plan(pol, [3, 1])
         rows = sum(k + 1 for k in lens)

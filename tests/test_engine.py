@@ -138,6 +138,22 @@ def test_stream_equals_generate_and_stops(tiny):
         assert streamed == out.text
 
 
+def test_a_seeded_request_samples_plain_samplings_text(tiny, monkeypatch):
+    """With a seed (and verify auto) verification is exact match: each token is drawn as
+    plain sampling draws it, so the text is plain sampling's for that seed, the same
+    every time, whatever lengths the plan drafts (as llama-server's)."""
+    kw = dict(n_predict=N, temperature=0.9, seed=11)
+    with Engine(tiny["embedded"], mode="none", n_ctx=512) as eng:
+        plain = eng.generate(PROMPT, **kw)
+    _random_plans(monkeypatch, seed=3)
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        outs = [eng.generate(PROMPT, **kw) for _ in range(3)]
+        other = eng.generate(PROMPT, **{**kw, "seed": 12})
+    assert all(o.tokens == plain.tokens for o in outs)
+    assert all(o.stats.n_drafted > 10 for o in outs)
+    assert other.tokens != plain.tokens
+
+
 def test_sampling_with_seed_is_reproducible(tiny):
     # a fixed draft length: the adaptive one (the default) follows the machine's timings,
     # and what a text's drafts are drawn from with it, so a seed's text with it

@@ -45,10 +45,10 @@ from typing import Sequence
 __all__ = ["RoundCosts", "SeqPolicy", "DraftPlanner", "regime"]
 
 
-def regime(greedy: bool, temperature: float) -> float:
-    """The key of the acceptance a sampling setting gets: 0 for greedy, else the
-    temperature to a tenth."""
-    return 0.0 if greedy else max(0.1, round(temperature, 1))
+def regime(greedy: bool, temperature: float, rejection: bool = False) -> tuple[float, bool]:
+    """The key of the acceptance a sampling setting gets: greedy, or the temperature to
+    a tenth and the verification (rejection sampling accepts more than exact match)."""
+    return (0.0, False) if greedy else (max(0.1, round(temperature, 1)), rejection)
 
 
 class _Record:
@@ -190,7 +190,7 @@ class SeqPolicy:
     #: a sequence that starts drafting again drafts at least this many rounds
     HOLD_ROUNDS = 4
 
-    def __init__(self, planner: "DraftPlanner", key: float, n_min: int = 0, decay: float = 0.97,
+    def __init__(self, planner: "DraftPlanner", key: tuple[float, bool], n_min: int = 0, decay: float = 0.97,
                  prior_weight: float = 4.0) -> None:
         self.planner = planner
         self.key = key
@@ -269,7 +269,7 @@ class DraftPlanner:
         self._next_probe = probe_every
         self._probe: int | None = None  # the rows the last probe planned
         self._probe_again: tuple[int, int] | None = None  # a probe to repeat next round
-        self._records: dict[float, _EngineRecord] = {}
+        self._records: dict[tuple[float, bool], _EngineRecord] = {}
         self._last: tuple[int, int] | None = None  # (sequences, rows) of the last plan
         self._explored = 0  # rounds drafted to time the draft steps (an engine's first rounds)
 
@@ -277,13 +277,13 @@ class DraftPlanner:
     def rounds(self) -> int:
         return self.costs.rounds
 
-    def record_for(self, key: float) -> _EngineRecord:
+    def record_for(self, key: tuple[float, bool]) -> _EngineRecord:
         r = self._records.get(key)
         if r is None:
             r = self._records[key] = _EngineRecord(self.n_draft)
         return r
 
-    def policy(self, key: float, n_min: int = 0) -> SeqPolicy:
+    def policy(self, key: tuple[float, bool], n_min: int = 0) -> SeqPolicy:
         return SeqPolicy(self, key, n_min)
 
     # -- the plan --------------------------------------------------------------------

@@ -364,7 +364,14 @@ class Engine:
             raise ValueError("the prompt is empty")
         if isinstance(stop, str):
             stop = [stop]
-        rejection = verify != "exact" and not params.greedy and self.driver.speculate
+        # auto: rejection sampling above temperature 0, but exact match for a request with
+        # a seed: each token is then drawn as plain sampling draws it (one draw from the
+        # seeded generator per token, whatever the drafts), so a seed's text is plain
+        # sampling's, the same every time, as llama-server's, though draft lengths follow
+        # the machine's timings; rejection sampling accepts more, and its text depends on them
+        seeded = params.seed is not None and params.seed >= 0
+        rejection = (verify == "rejection" or (verify == "auto" and not seeded)) and not params.greedy \
+            and self.driver.speculate
         if isinstance(n_probs, bool) or not isinstance(n_probs, int) or n_probs < 0:
             raise ValueError(f"n_probs must be a non-negative integer, not {n_probs!r}")
         constraint = None

@@ -106,7 +106,9 @@ class SpecConfig:
     verify: ``exact`` (drafts are the heads' argmax; the target's sample must equal
         them), ``rejection`` (drafts drawn from the heads' distributions, accepted
         with probability min(1, p/q), residual resampling), or ``auto``: rejection
-        above temperature 0. At temperature 0 both are greedy exact match.
+        above temperature 0, exact for a request with a seed (its text is then plain
+        sampling's for that seed, whatever the draft lengths). At temperature 0 both
+        are greedy exact match.
     adaptive: choose each sequence's draft length every round, between the bounds
         above (0 or n_min .. n_max), from the acceptance it sees under its own sampling
         settings and what rounds cost on this machine (``adaptive.DraftPlanner``); on by
@@ -397,7 +399,7 @@ class MTPDriver:
         self.planner = DraftPlanner(self.n_draft) if spec.adaptive and self.speculate and \
             spec.n_min < self.n_draft else None
         # rejection sampling: what drafts are drawn from, learned per sampling regime
-        self._shapers: dict[float, DraftShaper] = {}
+        self._shapers: dict[tuple[float, bool], DraftShaper] = {}
         #: per slot: what its KV holds since its last sequence ended (prompt caching)
         self.cache: list[_Cache | None] = [None] * n_seq
         self._clock = itertools.count(1)
@@ -495,7 +497,7 @@ class MTPDriver:
         s.pending_h = self._zero_h[0]
         s.stats.n_prompt_cached = s.n_prefilled
         s.policy = None if self.planner is None else \
-            self.planner.policy(regime(s.sampler.greedy, s.sampler.params.temperature), self.spec.n_min)
+            self.planner.policy(regime(s.sampler.greedy, s.sampler.params.temperature, s.rejection), self.spec.n_min)
         s.h_log = {} if self.debug else None
         s.trace = [] if self.debug else None
         s.chain_h = np.zeros((max(1, self.n_draft), self.n_embd), dtype=np.float32)
@@ -506,7 +508,7 @@ class MTPDriver:
             if self.spec.adaptive:
                 # learned, like the lengths: a fixed setting keeps a seed's text reproducible
                 s.q0 = np.zeros_like(s.q)
-                key = regime(s.sampler.greedy, s.sampler.params.temperature)
+                key = regime(s.sampler.greedy, s.sampler.params.temperature, True)
                 s.shaper = self._shapers.setdefault(key, DraftShaper(self.n_draft))
         if s.constraint is not None and s.mask_drafts and self.speculate:
             s.draft_bits = np.zeros((max(1, self.n_draft), s.constraint.vocab.n_words), dtype=np.int32)

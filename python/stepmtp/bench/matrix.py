@@ -22,8 +22,9 @@ Entries:
   its MTP drafting at n-max 3.
 
 Requests are ``POST /completion`` with the temperature of the row, llama-server's other
-sampling defaults, a fixed seed per prompt, and no prompt cache (each prompt decoded in
-full, by every entry alike). At temperature 0 each text must equal ``off``'s, and under
+sampling defaults, no seed (as agents send them; a request with a seed is verified by
+exact match, so that its text is plain sampling's), and no prompt cache (each prompt
+decoded in full, by every entry alike). At temperature 0 each text must equal ``off``'s, and under
 load each text must equal the text the same entry wrote for one client: exit 3 when not.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .prompts import Prompt
-from .runners import SAMPLING_SEED, ServerProcess, _http
+from .runners import ServerProcess, _http
 
 __all__ = ["Entry", "Cell", "ENTRIES", "parse_entries", "run_matrix", "markdown", "write_heatmap", "check_texts"]
 
@@ -139,9 +140,9 @@ class Cell:
                             for n, rs in self.runs.items()}}
 
 
-def _request(url: str, p: Prompt, temperature: float, seed: int, timeout: float) -> dict[str, Any]:
-    body = {"prompt": p.prompt, "n_predict": p.n_predict, "temperature": temperature, "seed": seed,
-            "cache_prompt": False, "stream": False}
+def _request(url: str, p: Prompt, temperature: float, timeout: float) -> dict[str, Any]:
+    body = {"prompt": p.prompt, "n_predict": p.n_predict, "temperature": temperature, "cache_prompt": False,
+            "stream": False}
     req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -161,7 +162,7 @@ def _drive(url: str, prompts: Sequence[Prompt], temperature: float, clients: int
             if i is None:
                 return
             try:
-                outs[i] = _request(url, prompts[i], temperature, SAMPLING_SEED + i, timeout)
+                outs[i] = _request(url, prompts[i], temperature, timeout)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 errors.append(e)
 
@@ -206,7 +207,7 @@ def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path,
             status, p = _http(s.url + "/props", timeout=30)
             props[e.name] = {"argv": s.argv, "props": p if status == 200 else None}
             # a first short request: buffers allocated, pages faulted in
-            _request(s.url, prompts[0].__class__(prompts[0].category, prompts[0].prompt, 8), 0.0, 0, timeout)
+            _request(s.url, Prompt(prompts[0].category, prompts[0].prompt, 8), 0.0, timeout)
         order = list(entries)
         for k in range(repeat):
             for cell in cells:
