@@ -8,9 +8,11 @@ entries of a cell run one after the other, in an order that rotates from repeat 
 repeat, so the machine's drift falls on all of them alike; each entry keeps its best
 repeat.
 
-Entries:
+Every server gets ``-m MODEL -c 4096`` (the bench-size model's own context, 1024
+positions, would be shared by the 4 slots of ``-np`` auto), ``-t`` when given, and,
+entry by entry:
 
-* ``off``: ``python -m stepmtp.server -m MODEL`` (llama-server's default, no drafting);
+* ``off``: no more (llama-server's default, no drafting);
 * ``mtp``: ``... --spec-type draft-mtp`` and nothing else: the draft length the server
   chooses by itself each round;
 * ``n1`` .. ``n3``: a fixed draft length (``--spec-draft-n-max N --spec-draft-n-min N``),
@@ -186,18 +188,24 @@ def _drive(url: str, prompts: Sequence[Prompt], temperature: float, clients: int
     return Run(wall, tokens, drafted, accepted, texts)
 
 
-def _argv(e: Entry, model: Path, llama_server: Path | None, threads: int | None) -> list[str]:
+#: the servers' context: the bench-size model was trained on 1024 positions, which the
+#: default -c 0 would give to all 4 slots together; a real model's slots have room to spare
+MATRIX_CTX = 4096
+
+
+def _argv(e: Entry, model: Path, llama_server: Path | None, threads: int | None, n_ctx: int) -> list[str]:
     exe = [str(llama_server)] if e.cpp else [sys.executable, "-m", "stepmtp.server"]
-    return [*exe, "-m", str(model), *(["-t", str(threads)] if threads else []), *e.flags]
+    return [*exe, "-m", str(model), "-c", str(n_ctx), *(["-t", str(threads)] if threads else []), *e.flags]
 
 
 def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path, *,
                temps: Sequence[float] = DEFAULT_TEMPS, clients: Sequence[int] = DEFAULT_CLIENTS,
                repeat: int = 1, llama_server: Path | None = None, threads: int | None = None,
-               timeout: float = 1800.0, progress: bool = True) -> tuple[list[Cell], dict[str, Any]]:
+               n_ctx: int = MATRIX_CTX, timeout: float = 1800.0,
+               progress: bool = True) -> tuple[list[Cell], dict[str, Any]]:
     """Every cell of temps x clients, each entry's server started once; the cells and
     what each server reported of itself (``/props``)."""
-    servers = {e.name: ServerProcess(_argv(e, model, llama_server, threads), label=e.name) for e in entries}
+    servers = {e.name: ServerProcess(_argv(e, model, llama_server, threads, n_ctx), label=e.name) for e in entries}
     cells = [Cell(t, c) for t in temps for c in clients]
     props: dict[str, Any] = {}
     try:
