@@ -116,7 +116,7 @@ def test_rows_go_to_the_sequences_whose_drafts_are_accepted():
     plans = simulate(DraftPlanner(3), [good, bad, good, bad], 500, verify=lambda r: 0.6 + 0.4 * r)
     tail = plans[100:]
     assert np.mean([p[0] + p[2] for p in tail]) > 2.5  # the predictable ones draft
-    assert np.mean([p[1] + p[3] for p in tail]) < 0.3  # the others hardly do
+    assert np.mean([p[1] + p[3] for p in tail]) < 0.4  # the others hardly do (of 6)
 
 
 def test_drafting_stops_in_a_bad_stretch_and_resumes_by_itself():
@@ -182,21 +182,26 @@ def test_a_fresh_timing_of_a_row_count_left_alone_replaces_the_old():
             c.rounds += 1
             c.observe_verify(rows, 1.0)
     c.rounds += 1
-    c.observe_verify(2, 0.5)  # timed the round before too: a small step
-    assert 0.9 <= c.verify_t.t[2] < 1.0
+    c.observe_verify(2, 0.5)  # timed the round before too: one sample moves nothing
+    assert c.verify_t.t[2] == 1.0
+    for _ in range(4):  # most of the recent samples: the machine changed
+        c.rounds += 1
+        c.observe_verify(2, 0.5)
+    assert c.verify_t.t[2] == 0.5
     c.rounds += 100
     c.observe_verify(1, 0.5)  # not timed for 100 rounds: mostly replaced
     assert c.verify_t.t[1] < 0.6
 
 
-def test_a_preempted_round_moves_an_estimate_by_at_most_3x():
+def test_preempted_rounds_move_no_estimate():
+    """A 2-core VM's spikes (1.5-3x, now and then 100x) must not make a plan look
+    dearer than it is: a mean moved by them chose one draft where three paid."""
     c = RoundCosts(1)
-    for _ in range(6):
+    for i in range(40):
         c.rounds += 1
-        c.observe_verify(1, 1.0)
-    c.rounds += 1
-    c.observe_verify(1, 500.0)  # the process sat out 0.5 s
-    assert c.verify_t.t[1] < 1.5
+        c.observe_verify(1, 500.0 if i == 20 else 3.0 if i % 4 == 3 else 1.0)  # sat out 0.5 s; spikes
+        if i > 2:
+            assert c.verify_t.t[1] == 1.0
 
 
 def test_unmeasured_row_counts_are_read_off_the_line_through_the_measured():

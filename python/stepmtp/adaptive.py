@@ -40,6 +40,7 @@ Plain floats, not numpy: this runs every round, on a few numbers.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Sequence
 
 __all__ = ["RoundCosts", "SeqPolicy", "DraftPlanner", "regime"]
@@ -91,36 +92,39 @@ class _Record:
 
 
 class _Timings:
-    """Seconds by key (rows of a verify, depth of a draft step): a plain mean over the
-    first samples, then a moving average; how much a value still counts fades with
-    the rounds since it was last measured. A key's first sample on an engine is not
-    taken: it pays for llama.cpp setting up that batch shape (seen: 2-3x a later one)."""
+    """Seconds by key (rows of a verify, depth of a draft step): the median of the key's
+    last WINDOW samples. A shared machine preempts the process now and then (seen: a
+    round 100x its usual time, and spikes of 1.5-3x every few dozen rounds on a 2-core
+    VM); a mean moved by them misjudged which plan is cheaper by 10-40% on the bench
+    model (an inflated 4-row verify made one draft look better than three), a median
+    ignores them. A key not measured for STALE_ROUNDS rounds starts its window again
+    (the load may have changed), and how much its estimate counts fades meanwhile. A
+    key's first sample on an engine is not taken: it pays for llama.cpp setting up that
+    batch shape (seen: 2-3x a later one)."""
 
+    WINDOW = 9
+    STALE_ROUNDS = 64
     #: per round since a key was last measured, how much its estimate still counts
     STALE_DECAY = 0.98
 
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
+    def __init__(self) -> None:
         self.t: dict[int, float] = {}
         self.n: dict[int, int] = {}
         self.seen: dict[int, int] = {}
         self.warm: set[int] = set()
+        self._samples: dict[int, list[float]] = {}
 
     def observe(self, key: int, seconds: float, rnd: int) -> None:
         if key not in self.warm:
             self.warm.add(key)
             return
-        n = self.n.get(key, 0) + 1
-        self.n[key] = n
-        # a value not measured for a while (the load may have changed) is mostly replaced
-        stale = rnd - self.seen.get(key, rnd)
-        w = max(1.0 / n, 1.0 - self.decay, 1.0 - self.STALE_DECAY ** stale)
-        v = self.t.get(key)
-        if v is not None:
-            # a round the process was preempted in (a busy machine: seen 100x) says
-            # nothing of the shape: no sample moves the estimate by more than 3x
-            seconds = min(max(seconds, v / 3), 3 * v)
-        self.t[key] = seconds if v is None else (1 - w) * v + w * seconds
+        w = self._samples.setdefault(key, [])
+        if rnd - self.seen.get(key, rnd) > self.STALE_ROUNDS:
+            w.clear()
+        w.append(seconds)
+        del w[: -self.WINDOW]
+        self.t[key] = statistics.median(w)
+        self.n[key] = self.n.get(key, 0) + 1
         self.seen[key] = rnd
 
     def weight(self, key: int, rnd: int) -> float:
@@ -135,11 +139,11 @@ class RoundCosts:
     verify part by its rows, each draft step by its depth. Shared by every sequence
     and every request of an engine: the machine's and the model's, not the text's."""
 
-    def __init__(self, n_draft: int, decay: float = 0.9) -> None:
+    def __init__(self, n_draft: int) -> None:
         self.n_draft = n_draft
         self.rounds = 0
-        self.verify_t = _Timings(decay)
-        self.step_t = _Timings(decay)
+        self.verify_t = _Timings()
+        self.step_t = _Timings()
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self.verify_t.observe(rows, seconds, self.rounds)
@@ -190,8 +194,14 @@ class SeqPolicy:
     #: a sequence that starts drafting again drafts at least this many rounds
     HOLD_ROUNDS = 4
 
+    #: how many drafts at the engine's rate a sequence's own record starts with: at 4, a
+    #: new request's first three rejected drafts (0.5 at depth 1) stopped its drafting
+    #: on the bench model for 20-170 rounds at temperature 0, where the prompts' own
+    #: rates differ far less than a few drafts do
+    PRIOR_WEIGHT = 12.0
+
     def __init__(self, planner: "DraftPlanner", key: tuple[float, bool], n_min: int = 0, decay: float = 0.97,
-                 prior_weight: float = 4.0) -> None:
+                 prior_weight: float = PRIOR_WEIGHT) -> None:
         self.planner = planner
         self.key = key
         self.n_min = max(1, n_min)
@@ -251,15 +261,17 @@ class _EngineRecord:
 
 class DraftPlanner:
     """The engine's draft-length policy (see the module). ``plan`` gives each sequence
-    of a round its draft length; ``costs`` learns what rounds cost; probes try the
-    plans of one row more and one row fewer now and then (every ``probe_every`` rounds,
-    the gap doubling up to ``max_probe_every`` while probes lose), so the estimates
-    follow the machine."""
+    of a round its draft length; ``costs`` learns what rounds cost; probes try another
+    plan close to the best now and then (every ``probe_every`` rounds, the gap doubling
+    up to ``max_probe_every`` while probes lose), so the estimates follow the machine:
+    a probe costs a few percent of one round, an estimate left stale for hundreds of
+    rounds (a gap of 512 was seen) kept the bench model from drafting for 250 rounds
+    after one busy moment."""
 
     #: a plan in use is kept while its expected rate is within this share of the best
     HYSTERESIS = 0.97
 
-    def __init__(self, n_draft: int, *, probe_every: int = 32, max_probe_every: int = 1024,
+    def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64,
                  costs: RoundCosts | None = None) -> None:
         self.n_draft = n_draft
         self.costs = costs or RoundCosts(n_draft)
@@ -383,13 +395,22 @@ class DraftPlanner:
         self._last = (N, chosen[1])
         return options[chosen][1]
 
+    #: a probe tries plans whose estimated rate is within this share of the best
+    PROBE_WITHIN = 0.85
+
     def _probe_plan(self, options: dict[tuple[int, int], tuple[float, list[int]]],
                     chosen: tuple[int, int]) -> tuple[int, int]:
-        """One row more or one fewer than the chosen plan (the one whose own estimate
-        is the oldest), at the best depth for it."""
+        """Another row count than the chosen plan's, among the plans estimated close to
+        the best (one row more or fewer when none is): the one whose own estimate is the
+        oldest, at the best depth for it. A row count is timed only when a plan uses
+        it, so without probes an estimate made in a busy moment (too dear) would keep
+        its plan out for good; one row either side alone never reaches the plans two
+        rows away (one draft against three)."""
         self._next_probe = self.rounds + self.gap
         rows = chosen[1]
-        cands = [r for r in (rows - 1, rows + 1) if any(k[1] == r for k in options)]
+        top = max(o[0] for o in options.values())
+        near = {k[1] for k, o in options.items() if k[1] != rows and o[0] >= self.PROBE_WITHIN * top}
+        cands = sorted(near) or [r for r in (rows - 1, rows + 1) if any(k[1] == r for k in options)]
         if not cands:
             return chosen
         T = self.costs.verify_t
