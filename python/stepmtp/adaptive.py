@@ -270,6 +270,12 @@ class DraftPlanner:
 
     #: a plan in use is kept while its expected rate is within this share of the best
     HYSTERESIS = 0.97
+    #: drafting must beat drafting nothing by this much: the round timings leave out
+    #: what a slot that drafts only now and then pays when it starts again (its heads
+    #: decode the rows of the rounds it skipped, untimed), and under load (four slots at
+    #: temperature 1 on the bench model) the plans that won by a few percent on paper
+    #: lost to plain decoding
+    NO_DRAFT_EDGE = 1.05
 
     def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64,
                  costs: RoundCosts | None = None) -> None:
@@ -352,6 +358,8 @@ class DraftPlanner:
             heads = [(chain[k][0], s) for s, (chain, k) in enumerate(zip(gains, forced)) if k < len(chain)]
             while True:
                 rate = tokens / (costs.verify(rows) + step_sum)
+                if D == 0:
+                    rate *= self.NO_DRAFT_EDGE
                 options[(D, rows)] = (rate, list(n))
                 if best is None or rate > best[0]:
                     best = (rate, D, rows)
