@@ -68,6 +68,7 @@ __all__ = [
     "GrammarError",
     "Vocabulary",
     "bitmasks_along_many",
+    "lark_literal",
     "text_value_rules",
     "vocabulary",
 ]
@@ -279,6 +280,11 @@ def _schema_type_set(schema: dict[str, Any]) -> set[str] | None:
     return None
 
 
+def lark_literal(text: str) -> str:
+    """``text`` as a literal of llguidance's Lark dialect (JSON's string syntax)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def _text_literal(v: Any) -> str:
     """An enum or const value as such a format writes it: a string as itself."""
     return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, separators=(",", ":"))
@@ -323,13 +329,13 @@ def text_value_rules(name: str, schema: Any, close: str, marker: str,
     if literals is not None:
         if not literals:
             raise GrammarError("an empty enum allows no value")
-        body = "(" + " | ".join(json.dumps(_text_literal(v), ensure_ascii=False) for v in literals) + ")"
+        body = "(" + " | ".join(lark_literal(_text_literal(v)) for v in literals) + ")"
     elif types is not None and "string" not in types:
         sub = _typed_as_llama_cpp(schema)
         sub = {**sub, "x-guidance": {**JSON_DEFAULTS, "lenient": True, **(json_options or {})}}
         for key, value in (defs or {}).items():
             sub.setdefault(key, value)
-        return [f"{name}: %json {json.dumps(sub, ensure_ascii=False)} {json.dumps(close, ensure_ascii=False)}"]
+        return [f"{name}: %json {json.dumps(sub, ensure_ascii=False)} {lark_literal(close)}"]
     else:
         parts = []
         if types == {"string"}:
@@ -349,7 +355,7 @@ def text_value_rules(name: str, schema: Any, close: str, marker: str,
         # a negation may match bytes that are not UTF-8: another part keeps to text
         mark = llg.regex_to_lark(re.escape(marker))
         body = "(" + " & ".join(parts or [f"/{_ANY}/"]) + f" & ~/{_ANY}{mark}{_ANY}/)"
-    return [f"{name}: {terminal}", f"{terminal}: {body} {json.dumps(close, ensure_ascii=False)}"]
+    return [f"{name}: {terminal}", f"{terminal}: {body} {lark_literal(close)}"]
 
 
 _executor: llg.LLExecutor | None = None

@@ -269,6 +269,15 @@ class Request:
             self.stop_type, self.finish = "limit", "length"
             self._finish([])
 
+    def preempted(self) -> None:
+        """It gave up its slot to a full shared cache (``Slots._no_room``): its prompt's
+        counts are kept for when it goes on, whatever is decoded again then."""
+        st = self.state.stats
+        if self.out_tokens and self._prompt_counts is None:
+            self._prompt_counts = (st.n_prompt, st.n_prompt_cached)
+        self.state.seq_id = -1
+        self.state.chunk_limit = SeqState.chunk_limit  # its prompt goes back in whole chunks
+
     def resumed(self) -> None:
         """Its prompt (and output, after a preemption) is decoded: the counts it
         reports are its prompt's, whatever was decoded again."""
@@ -388,14 +397,10 @@ class Slots:
         if self.n_busy <= n_stuck or r.cancelled:
             r.run_out()
             return
-        st = r.state.stats
-        if r.out_tokens and r._prompt_counts is None:
-            r._prompt_counts = (st.n_prompt, st.n_prompt_cached)
         self.driver.release(slot)
         self.slots[slot] = None
         r.resume_below = self.n_busy
-        r.state.seq_id = -1
-        r.state.chunk_limit = SeqState.chunk_limit  # its prompt goes back in whole chunks
+        r.preempted()
         with self._lock:
             self.waiting.appendleft(r)
 

@@ -15,7 +15,7 @@ from typing import Any
 from ..budget import ReasoningBudget
 from ..chat.step_format import (CALL_CLOSE, CALL_OPEN, FUNCTION_CLOSE, FUNCTION_OPEN, PARAM_CLOSE, PARAM_OPEN,
                                 REASONING_FORMATS, Delta, StepParser, ToolCallDelta)
-from ..grammar import GrammarError, text_value_rules
+from ..grammar import GrammarError, lark_literal, text_value_rules
 from .errors import bad_request
 
 __all__ = ["ChatFormat", "normalize_messages", "preserved_tokens", "delta_json", "REASONING_FORMATS"]
@@ -184,10 +184,6 @@ def _call_delta(c: ToolCallDelta) -> dict[str, Any]:
 _VALUE_OPEN, _VALUE_CLOSE = "\n", "\n</parameter>\n"  # the newlines Step's template writes around a value
 
 
-def _lark_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)
-
-
 def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, parallel: bool = True) -> str:
     """A Lark grammar (llguidance's dialect) of one or more Step-format calls of the
     given tools (or of the function ``name``): the required parameters, then any of
@@ -214,10 +210,10 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, para
                 rules += text_value_rules(f"v{i}_{j}", params[key], _VALUE_CLOSE, PARAM_CLOSE, defs=defs)
             except GrammarError as e:
                 raise bad_request(f"tools: {f['name']}'s parameter {key!r}: {e}") from None
-            rules.append(f"{rule}: {_lark_str(PARAM_OPEN + key + '>' + _VALUE_OPEN)} v{i}_{j}")
+            rules.append(f"{rule}: {lark_literal(PARAM_OPEN + key + '>' + _VALUE_OPEN)} v{i}_{j}")
             parts.append(rule if key in required else f"{rule}?")
-        head = _lark_str(f"{CALL_OPEN}\n{FUNCTION_OPEN}{f['name']}>\n")
-        tail = _lark_str(f"{FUNCTION_CLOSE}\n{CALL_CLOSE}")
+        head = lark_literal(f"{CALL_OPEN}\n{FUNCTION_OPEN}{f['name']}>\n")
+        tail = lark_literal(f"{FUNCTION_CLOSE}\n{CALL_CLOSE}")
         rules.append(f"call{i}: {head} {' '.join(parts)} {tail}")
         alts.append(f"call{i}")
     if not alts:
