@@ -322,6 +322,27 @@ def test_host_memory_keeps_a_conversation_another_one_displaced(agree, cfg):
         assert eng.generate(follow, n_predict=N, temperature=0).stats.n_prompt_cached == 0
 
 
+def test_host_memory_keeps_what_a_shared_prefix_would_lose(agree):
+    """Two conversations behind the same system prompt take turns in one slot: the
+    slot keeps the shared prefix for the newcomer, and the rest of the conversation
+    it displaced goes to host memory, so that conversation's next turn decodes only
+    what is new (agents share a long system prompt; llama-server saves the slot's
+    prompt before any of it is lost)."""
+    system = "# shared instructions for every agent\n" * 4
+    a, b = system + PROMPT * 4, system + "class Parser:\n    '''Parse it.'''\n" * 4
+    with Engine(agree, n_ctx=2048, cache_ram_mib=64, mode="chain", n_max=3, adaptive=False) as eng:
+        n_system = common_prefix(eng.tokenize(a), eng.tokenize(b))
+        assert n_system > 16
+        first_a = eng.generate(a, n_predict=N, temperature=0)
+        out_b = eng.generate(b, n_predict=N, temperature=0)
+        assert out_b.stats.n_prompt_cached >= n_system - 1  # the slot kept the shared prefix
+        assert len(eng.driver.host) == 1  # and a's own part went out, not lost
+        follow = eng.tokenize(a) + first_a.tokens[:-1] + eng.tokenize("\n    x = 1\n", add_special=False)
+        out = eng.generate(follow, n_predict=N, temperature=0)
+        assert out.stats.n_prompt_cached >= len(eng.tokenize(a)) - eng.driver.split_offsets[-1]
+        assert out.tokens == eng.generate(follow, n_predict=N, temperature=0, cache_prompt=False).tokens
+
+
 def test_server_full_shared_cache_serves_both(agree, tmp_path):
     """Two answers that outgrow one small shared cache, one streamed: both are 200s
     that go on to their context's end, finish_reason "length" (llama-server fails the

@@ -458,6 +458,7 @@ class MTPDriver:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context ({self.n_ctx_seq})")
         c = self.cache[s.seq_id]
         shared = common_prefix(c.tokens, prompt) if reuse and c is not None else 0
+        stashed = False
         if reuse and self.host is not None:
             # a prompt kept in host memory that shares more than the slot's own goes
             # back in; the slot's, if it is about to be lost, goes out
@@ -466,6 +467,11 @@ class MTPDriver:
                 self._stash(s.seq_id, keep=shared)
                 restored = self._restore(s.seq_id, self.host.take(key))
                 c, shared = (self.cache[s.seq_id], n_host) if restored else (None, 0)
+            else:
+                # the slot keeps only the prefix it shares with this prompt (often a
+                # system prompt or a few tokens): the rest of its own goes out too, or
+                # the next request of that conversation decodes it again
+                stashed = self._stash(s.seq_id, keep=shared)
         # at least the prompt's last token is decoded (its logits give the first
         # token); and the one before it too, its trunk row anchoring the heads' first
         # new position when speculating (trunk rows are not kept, only the KV). Without
@@ -485,7 +491,8 @@ class MTPDriver:
             n_keep = reach + redo if reach >= 1 else 0
         if n_keep < 2:
             n_keep = 0
-            self._stash(s.seq_id, keep=0)
+            if not stashed:
+                self._stash(s.seq_id, keep=0)
             self.release(s.seq_id)
         self.cache[s.seq_id] = None  # the slot's KV is the sequence's now
         redo = redo if n_keep else 0
@@ -669,12 +676,14 @@ class MTPDriver:
         self.evict(min(idle, key=lambda i: self.cache[i].used))
         return True
 
-    def _stash(self, seq_id: int, keep: int) -> None:
+    def _stash(self, seq_id: int, keep: int) -> bool:
         """Copy slot ``seq_id``'s cache to host memory if more than HOST_MIN_GAIN of its
-        tokens are about to be lost (only ``keep`` of them stay in the slot)."""
+        tokens are about to be lost (only ``keep`` of them stay in the slot); True when
+        it was kept."""
         c = self.cache[seq_id]
         if self.host is not None and c is not None and len(c.tokens) - keep > self.HOST_MIN_GAIN:
-            self.host.put(self.export(seq_id))
+            return self.host.put(self.export(seq_id))
+        return False
 
     def cached_tokens(self, seq_id: int) -> list[int]:
         c = self.cache[seq_id]
