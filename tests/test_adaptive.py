@@ -175,33 +175,56 @@ def test_probes_back_off_while_they_lose():
     assert p.gap == 256
 
 
-def test_a_fresh_timing_of_a_row_count_left_alone_replaces_the_old():
+def test_a_machine_that_slows_down_keeps_the_costs_ratios():
+    """A shared machine's speed drifts; the row count in use is timed every round, the
+    others only by probes: in seconds a fresh 4-row verify was compared with a 1-row
+    one from a faster minute (and the reverse), and the plan stopped drafting where
+    drafting paid."""
     c = RoundCosts(1)
-    for rows in (1, 2):
+    for rows, t in ((1, 1.0), (2, 2.0)):
         for _ in range(12):  # the first of each is a warm-up, untimed
             c.rounds += 1
-            c.observe_verify(rows, 1.0)
+            c.observe_verify(rows, t)
+    for _ in range(30):  # 1.5x slower, and only 2 rows timed
+        c.rounds += 1
+        c.observe_verify(2, 3.0)
+    assert c.speed == pytest.approx(1.5)
+    assert c.verify(2) / c.verify(1) == pytest.approx(2.0)  # seconds would say 3
     c.rounds += 1
-    c.observe_verify(2, 0.5)  # timed the round before too: one sample moves nothing
-    assert c.verify_t.t[2] == 1.0
-    for _ in range(4):  # most of the recent samples: the machine changed
+    c.observe_verify(1, 1.5)  # a probe at the slower speed agrees
+    assert c.verify(2) / c.verify(1) == pytest.approx(2.0)
+
+
+def test_a_row_count_whose_cost_changes_is_told_from_the_machine():
+    """Two row counts timed in turn, one of them now half as dear: the ratio follows
+    (a speed taken from them alike would call it the machine's, and keep 1:1)."""
+    c = RoundCosts(1)
+    for rows in (1, 2):
+        for _ in range(12):
+            c.rounds += 1
+            c.observe_verify(rows, 1.0)
+    for _ in range(12):
+        c.rounds += 1
+        c.observe_verify(1, 1.0)
         c.rounds += 1
         c.observe_verify(2, 0.5)
-    assert c.verify_t.t[2] == 0.5
+    assert c.verify(2) / c.verify(1) < 0.6
     c.rounds += 100
-    c.observe_verify(1, 0.5)  # not timed for 100 rounds: mostly replaced
-    assert c.verify_t.t[1] < 0.6
+    c.observe_verify(1, 0.25)  # not timed for 100 rounds: its old samples go (it was 2x)
+    assert c.verify(1) / c.verify(2) < 0.75
 
 
 def test_preempted_rounds_move_no_estimate():
     """A 2-core VM's spikes (1.5-3x, now and then 100x) must not make a plan look
     dearer than it is: a mean moved by them chose one draft where three paid."""
     c = RoundCosts(1)
-    for i in range(40):
+    for i in range(80):
+        rows = 1 + i % 2
+        spike = 500.0 if i == 40 else 3.0 if i % 8 in (5, 6) else 1.0  # sat out 0.5 s; a quarter 3x
         c.rounds += 1
-        c.observe_verify(1, 500.0 if i == 20 else 3.0 if i % 4 == 3 else 1.0)  # sat out 0.5 s; spikes
-        if i > 2:
-            assert c.verify_t.t[1] == 1.0
+        c.observe_verify(rows, rows * spike)
+        if i > 8:
+            assert c.verify(2) / c.verify(1) == pytest.approx(2.0, rel=0.1)
 
 
 def test_unmeasured_row_counts_are_read_off_the_line_through_the_measured():

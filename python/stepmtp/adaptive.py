@@ -137,19 +137,53 @@ class _Timings:
 class RoundCosts:
     """What a round costs on this engine, by what it carries (see the module): the
     verify part by its rows, each draft step by its depth. Shared by every sequence
-    and every request of an engine: the machine's and the model's, not the text's."""
+    and every request of an engine: the machine's and the model's, not the text's.
+
+    Costs are kept in the machine's units of the moment, not in seconds: a shared
+    machine's speed drifts (10-40% within minutes on a 2-core VM), and the row count
+    the plan uses is timed every round while the others are timed only when a probe
+    tries them, so seconds compared a fresh 1-row verify with a 4-row one from a
+    slower minute and the plan stopped drafting where drafting paid. ``speed`` is the
+    trimmed geometric mean of the recent verifies' ratios to a reference of their row
+    count's (its first REF_SAMPLES, kept), and a sample is kept divided by it: what a
+    probe measures is then its row count's cost relative to the ones timed around it.
+    The references stay fixed, and it is a mean, not a median: ratios to the
+    estimates themselves fed back into them, and the median of two row counts timed
+    in turn flipped with the last sample; either way a change of one row count's cost
+    was taken for the machine's."""
+
+    #: verifies whose ratio to their row count's reference makes the machine's speed
+    SPEED_WINDOW = 24
+    #: of those, the highest and the lowest left out (preempted rounds, lucky ones): the
+    #: interquartile mean
+    SPEED_TRIM = 6
+    #: samples of a row count that make its reference
+    REF_SAMPLES = 3
 
     def __init__(self, n_draft: int) -> None:
         self.n_draft = n_draft
         self.rounds = 0
         self.verify_t = _Timings()
         self.step_t = _Timings()
+        self.speed = 1.0
+        self._ratios: list[float] = []
+        self._ref: dict[int, float] = {}
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        self.verify_t.observe(rows, seconds, self.rounds)
+        ref = self._ref.get(rows)
+        if ref is not None:
+            self._ratios.append(seconds / ref)
+            del self._ratios[: -self.SPEED_WINDOW]
+            r = sorted(self._ratios)
+            if len(r) > 2 * self.SPEED_TRIM + 2:
+                r = r[self.SPEED_TRIM: -self.SPEED_TRIM]
+            self.speed = math.exp(sum(map(math.log, r)) / len(r))
+        self.verify_t.observe(rows, seconds / self.speed, self.rounds)
+        if ref is None and self.verify_t.n.get(rows, 0) >= self.REF_SAMPLES:
+            self._ref[rows] = self.verify_t.t[rows]
 
     def observe_step(self, depth: int, seconds: float) -> None:
-        self.step_t.observe(depth, seconds, self.rounds)
+        self.step_t.observe(depth, seconds / self.speed, self.rounds)
 
     @property
     def known(self) -> bool:
