@@ -92,6 +92,29 @@ def test_plain_decoding_where_drafts_are_rarely_accepted():
     assert efficiency(plans[50:], acc) > 0.98
 
 
+def test_a_sequence_far_behind_drafts_again_only_when_it_pays_for_the_catch_up():
+    """A sequence that sat out drafting has its heads decode every row they missed
+    first: a plan that resumes it pays for that (spread over the rounds it then
+    drafts), one that drafts on does not; nothing is charged until a catch-up was
+    timed."""
+    p = DraftPlanner(3, probe_every=10**6)
+    simulate(p, [T0], 300)  # drafting 3 pays ~24% here
+
+    def plan(behind: int, drafted_last: bool = False) -> list[int]:
+        seq = p.policy(regime(True, 0.0))
+        seq.behind = behind
+        seq.last = 3 if drafted_last else 0
+        return p.plan([seq], [3])
+
+    assert plan(768) == [3]  # three heads x 256 rows behind, no catch-up timed yet: no charge
+    p.observe_catch_up(64, 64 * 0.01)  # a row a hundredth of a decode
+    p.observe_catch_up(64, 64 * 0.01)  # (the first of a key is a warm-up)
+    assert p.costs.catch_up(768) == pytest.approx(7.68)
+    assert plan(768) == [0]  # 1.92 a round for 4 rounds: plain pays more
+    assert plan(12) == [3]  # a few rows behind: it drafts
+    assert plan(768, drafted_last=True) == [3]  # drafting on, caught up as it goes
+
+
 def test_a_gpu_where_rows_are_nearly_free_drafts_long():
     flat = lambda r: 1.0 + 0.02 * (r - 1)  # noqa: E731
     plans = simulate(DraftPlanner(3), [(0.7, 0.7, 0.7)], 300, verify=flat)

@@ -11,7 +11,10 @@ plan maximises the round's tokens per second:
 
 ``RoundCosts`` learns both terms online, from the rounds themselves: the verify part
 (the target's decode of R rows, sampling them, the bookkeeping around it) by R, the
-draft steps by depth. Nothing assumes a CPU: where rows are nearly free (a GPU) the
+draft steps by depth, in the machine's units of the moment (its speed drifts). A
+sequence that sat out drafting rounds adds, in the round it drafts again, its heads'
+decoding the rows they missed (learnt per row), spread over the rounds it then
+drafts at least. Nothing assumes a CPU: where rows are nearly free (a GPU) the
 verify cost is flat in R and the plan drafts long; where each row costs (a CPU's
 experts) it drafts what pays. A row count not measured yet is read off the segment
 joining the nearest measured ones (flat when only one was: optimism makes it try);
@@ -165,6 +168,7 @@ class RoundCosts:
         self.rounds = 0
         self.verify_t = _Timings()
         self.step_t = _Timings()
+        self.catch_up_t = _Timings()  # a row's share of a head's catching up (key 0)
         self.speed = 1.0
         self._ratios: list[float] = []
         self._ref: dict[int, float] = {}
@@ -184,6 +188,20 @@ class RoundCosts:
 
     def observe_step(self, depth: int, seconds: float) -> None:
         self.step_t.observe(depth, seconds / self.speed, self.rounds)
+
+    #: a head's decode of this many rows or more, caught up on, times a row's share
+    #: (fewer: its weights' reading, not the rows, is most of it)
+    CATCH_UP_MIN_ROWS = 16
+
+    def observe_catch_up(self, rows: int, seconds: float) -> None:
+        """A head decoded ``rows`` rows it had missed, in ``seconds``."""
+        if rows >= self.CATCH_UP_MIN_ROWS:
+            self.catch_up_t.observe(0, seconds / rows / self.speed, self.rounds)
+
+    def catch_up(self, rows: int) -> float:
+        """What the heads' catching up on ``rows`` missed rows costs (all heads' rows
+        together); 0 until a catch-up was timed."""
+        return rows * self.catch_up_t.t.get(0, 0.0)
 
     @property
     def known(self) -> bool:
@@ -245,6 +263,8 @@ class SeqPolicy:
         self.hold = 0
         self.last = 0  # drafts planned last round
         self.rounds = 0
+        #: rows its heads decode before it drafts again (all heads'; the driver's, each round)
+        self.behind = 0
 
     #: how optimistic a depth's estimate is, in standard errors of the engine's record
     #: there: a depth seldom drafted gets tried, and its estimate sharpens (a few unlucky
@@ -304,12 +324,6 @@ class DraftPlanner:
 
     #: a plan in use is kept while its expected rate is within this share of the best
     HYSTERESIS = 0.97
-    #: drafting must beat drafting nothing by this much: the round timings leave out
-    #: what a slot that drafts only now and then pays when it starts again (its heads
-    #: decode the rows of the rounds it skipped, untimed), and under load (four slots at
-    #: temperature 1 on the bench model) the plans that won by a few percent on paper
-    #: lost to plain decoding
-    NO_DRAFT_EDGE = 1.05
 
     def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64,
                  costs: RoundCosts | None = None) -> None:
@@ -378,6 +392,7 @@ class DraftPlanner:
         best: tuple[float, int, int] | None = None  # (rate, D, rows)
         options: dict[tuple[int, int], tuple[float, list[int]]] = {}
         step_sum = 0.0
+        resume = self._resume_costs(seqs)
         for D in range(self.n_draft + 1):
             if D:
                 step_sum += costs.step(D - 1)
@@ -387,13 +402,12 @@ class DraftPlanner:
             n = list(forced)
             tokens = N + sum(sum(g for g, _ in chain[:k]) for chain, k in zip(gains, forced))
             rows = N + sum(forced)
+            extra = sum(c for c, k in zip(resume, forced) if k)
             # the next gains in order: largest first across sequences (each sequence's
             # gains shrink with depth, so taking them in order keeps each one a prefix)
             heads = [(chain[k][0], s) for s, (chain, k) in enumerate(zip(gains, forced)) if k < len(chain)]
             while True:
-                rate = tokens / (costs.verify(rows) + step_sum)
-                if D == 0:
-                    rate *= self.NO_DRAFT_EDGE
+                rate = tokens / (costs.verify(rows) + step_sum + extra)
                 options[(D, rows)] = (rate, list(n))
                 if best is None or rate > best[0]:
                     best = (rate, D, rows)
@@ -403,6 +417,8 @@ class DraftPlanner:
                 heads.remove((g, s))
                 k = n[s]
                 step = max(1, seqs[s].n_min - k) if k == 0 else 1
+                if k == 0:
+                    extra += resume[s]
                 for j in range(k, min(k + step, len(gains[s]))):
                     tokens += gains[s][j][0]
                 rows += min(step, len(gains[s]) - k)
@@ -436,6 +452,16 @@ class DraftPlanner:
             self._probe = None
         self._last = (N, chosen[1])
         return options[chosen][1]
+
+    def _resume_costs(self, seqs: Sequence[SeqPolicy]) -> list[float]:
+        """Per sequence, what drafting this round adds besides its rows and steps: a
+        sequence that sat out drafting rounds first has its heads decode the rows they
+        missed (up to mtp's MAX_CATCH_UP each), a cost the round's timings leave out,
+        spread over the HOLD_ROUNDS rounds it then drafts at least. Without it, under
+        load (four slots at temperature 1 on the bench model) plans that won by a few
+        percent on paper lost to plain decoding."""
+        return [self.costs.catch_up(p.behind) / SeqPolicy.HOLD_ROUNDS if p.behind and not p.last else 0.0
+                for p in seqs]
 
     #: a probe tries plans whose estimated rate is within this share of the best
     PROBE_WITHIN = 0.85
@@ -483,6 +509,10 @@ class DraftPlanner:
         return forced, gains
 
     # -- what rounds cost --------------------------------------------------------------
+
+    def observe_catch_up(self, rows: int, seconds: float) -> None:
+        """A head caught up on ``rows`` rows it missed, in ``seconds``."""
+        self.costs.observe_catch_up(rows, seconds)
 
     def observe_round(self, rows: int, verify_s: float, steps_s: Sequence[float | None]) -> None:
         """A round's timings: its verify part (``rows`` rows) and each draft step

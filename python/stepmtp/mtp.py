@@ -802,6 +802,9 @@ class MTPDriver:
                 s.constraint.begin_round()
         planned = [s for s in seqs if s.policy is not None]
         if planned:
+            if self.fused and self.speculate:
+                for s in planned:
+                    s.policy.behind = sum(min(self.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
             for s, n in zip(planned, self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])):
                 s.n_plan = n
                 if self.fused and n:
@@ -1105,10 +1108,13 @@ class MTPDriver:
                 m = min(self.n_chunk, A.end - s.kv_valid[k] - keep)
                 self._trim(s, k)
                 b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], s.seq_id, outputs="none", embd=A.h[a0 : a0 + m])
+                t0 = time.perf_counter()
                 try:
                     self._decode_evicting(d, b, [s])
                 except KVFullError:
                     return  # the rows wait in the anchors for a decode with room
+                if self.planner is not None:
+                    self.planner.observe_catch_up(m, time.perf_counter() - t0)
                 s.kv_valid[k] += m
                 s.kv_end[k] = s.kv_valid[k]
         A.drop_before(min(s.kv_valid[k] for k in self.heads))
