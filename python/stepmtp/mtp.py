@@ -460,18 +460,16 @@ class MTPDriver:
         shared = common_prefix(c.tokens, prompt) if reuse and c is not None else 0
         stashed = False
         if reuse and self.host is not None:
-            # a prompt kept in host memory that shares more than the slot's own goes
-            # back in; the slot's, if it is about to be lost, goes out
+            # the slot keeps at most the prefix it shares with this prompt (often a
+            # system prompt or a few tokens): the rest of its own goes out, or the next
+            # request of that conversation decodes it again; a prompt kept in host
+            # memory that shares more than the slot's own comes back in
             key, n_host = self.host.best(prompt, common_prefix)
+            stashed = self._stash(s.seq_id, keep=shared)
             if n_host > shared + self.HOST_MIN_GAIN:
-                self._stash(s.seq_id, keep=shared)
                 restored = self._restore(s.seq_id, self.host.take(key))
                 c, shared = (self.cache[s.seq_id], n_host) if restored else (None, 0)
-            else:
-                # the slot keeps only the prefix it shares with this prompt (often a
-                # system prompt or a few tokens): the rest of its own goes out too, or
-                # the next request of that conversation decodes it again
-                stashed = self._stash(s.seq_id, keep=shared)
+                stashed = False  # the slot holds the restored prompt now
         # at least the prompt's last token is decoded (its logits give the first
         # token); and the one before it too, its trunk row anchoring the heads' first
         # new position when speculating (trunk rows are not kept, only the KV). Without
