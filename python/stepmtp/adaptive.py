@@ -172,10 +172,20 @@ class RoundCosts:
         self.speed = 1.0
         self._ratios: list[float] = []
         self._ref: dict[int, float] = {}
+        self._rows: int | None = None  # rows of the last verify
 
     def observe_verify(self, rows: int, seconds: float) -> None:
+        # a verify of other rows than the last one's pays llama.cpp's building its graph
+        # again (it reuses it for the same shape): ~2 ms on the bench model, 15% of a
+        # 1-row decode. Its ratio is not the machine's speed: taken as such, the 1-row
+        # verifies after each short drafting stretch read the machine as slower, and
+        # the row count in use drifted against the others (a 3-row verify was taken
+        # for cheaper than a 2-row one, and one client drafted 2 at temperature 1 for
+        # 50 rounds at a loss)
+        switched = self._rows is not None and rows != self._rows
+        self._rows = rows
         ref = self._ref.get(rows)
-        if ref is not None:
+        if ref is not None and not switched:
             self._ratios.append(seconds / ref)
             del self._ratios[: -self.SPEED_WINDOW]
             r = sorted(self._ratios)
@@ -208,7 +218,7 @@ class RoundCosts:
         """Whether plans can be costed: a verify timed at two row counts, a draft step."""
         return len(self.verify_t.t) >= 2 and bool(self.step_t.t)
 
-    def verify(self, rows: int) -> float:
+    def _verify_at(self, rows: int) -> float:
         """Seconds of the verify part of a round of ``rows`` rows: its own estimate, or
         read off the measured row counts (between two: on the segment joining them;
         beyond them: on the nearest segment, never falling; one alone: flat)."""
@@ -228,6 +238,13 @@ class RoundCosts:
             a, b = sorted(near)
         slope = max(0.0, (T[b] - T[a]) / (b - a))
         return max(T[a] + slope * (rows - a), 1e-9)
+
+    def verify(self, rows: int) -> float:
+        """Seconds of the verify part of a round of ``rows`` rows (``_verify_at``), never
+        less than fewer rows': more rows cost more, and a row count's estimate that says
+        otherwise is noise (its samples from another minute) that would have the plan
+        draft where it loses."""
+        return max([self._verify_at(rows)] + [t for r, t in self.verify_t.t.items() if r < rows])
 
     def step(self, depth: int) -> float:
         """Seconds of draft step ``depth``; an unmeasured depth as the deepest measured."""
