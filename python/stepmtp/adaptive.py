@@ -181,7 +181,7 @@ class RoundCosts:
         # verifies after each short drafting stretch read the machine as slower, and
         # the row count in use drifted against the others (a 3-row verify was taken
         # for cheaper than a 2-row one, and one client drafted 2 at temperature 1 for
-        # 50 rounds at a loss)
+        # 50 rounds at a loss, with probes every 256 rounds to correct it)
         switched = self._rows is not None and rows != self._rows
         self._rows = rows
         ref = self._ref.get(rows)
