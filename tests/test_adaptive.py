@@ -239,12 +239,23 @@ def test_a_row_count_whose_cost_changes_is_told_from_the_machine():
 
 def test_more_rows_never_cost_less():
     """A row count's estimate from another minute (or a short stretch's noise) that puts
-    it below fewer rows' would have the plan draft where it loses: the estimate used is
-    at least every smaller row count's."""
+    it below fewer rows' would have the plan draft where it loses: the estimates used
+    rise with rows, an inversion pooled by the samples behind each side (taking the
+    larger instead let one sample of a count four sequences pass through now and then
+    raise every larger count's cost)."""
     c = RoundCosts(3)
     verifies(c, [(1, 1.0)] * 6 + [(2, 1.6)] * 6 + [(3, 1.3)] * 6 + [(4, 2.5)] * 6)
     assert c.verify(3) == pytest.approx(c.verify(2))
+    assert 1.3 < c.verify(3) < 1.6  # pooled: neither count's alone
     assert c.verify(4) > c.verify(3)
+    # a count timed once long ago yields to one timed often (four sequences: counts
+    # between the plain step's and the plans' come and go as requests do)
+    c = RoundCosts(3)
+    verifies(c, [(4, 2.5)] * 10 + [(7, 5.0)] * 2)
+    c.rounds += 200
+    verifies(c, [(8, 3.7)] * 10)
+    assert c.verify(8) == pytest.approx(3.7, rel=0.05)
+    assert c.verify(7) <= c.verify(8)
 
 
 def test_a_verify_after_a_change_of_rows_does_not_set_the_speed():

@@ -173,6 +173,7 @@ class RoundCosts:
         self._ratios: list[float] = []
         self._ref: dict[int, float] = {}
         self._rows: int | None = None  # rows of the last verify
+        self._fit: dict[int, float] | None = None  # the estimates made to rise (``_fitted``)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         # a verify of other rows than the last one's pays llama.cpp's building its graph
@@ -184,6 +185,7 @@ class RoundCosts:
         # 50 rounds at a loss, with probes every 256 rounds to correct it)
         switched = self._rows is not None and rows != self._rows
         self._rows = rows
+        self._fit = None
         ref = self._ref.get(rows)
         if ref is not None and not switched:
             self._ratios.append(seconds / ref)
@@ -218,11 +220,36 @@ class RoundCosts:
         """Whether plans can be costed: a verify timed at two row counts, a draft step."""
         return len(self.verify_t.t) >= 2 and bool(self.step_t.t)
 
-    def _verify_at(self, rows: int) -> float:
+    def _fitted(self) -> dict[int, float]:
+        """The row counts' estimates made to rise with rows: where a count's estimate is
+        below a smaller count's, the two are pooled, each weighing by its samples and
+        their age (pool-adjacent-violators), so a count timed once long ago yields to
+        one timed often, either way."""
+        if self._fit is None:
+            T = self.verify_t
+            blocks: list[list[float]] = []  # [weighted sum, weight, row counts]
+            for r in sorted(T.t):
+                w = max(T.weight(r, self.rounds), 1e-6)
+                blocks.append([T.t[r] * w, w, 1.0])
+                while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                    b = blocks.pop()
+                    blocks[-1] = [x + y for x, y in zip(blocks[-1], b)]
+            fit: dict[int, float] = {}
+            rows = iter(sorted(T.t))
+            for total, w, n in blocks:
+                for _ in range(int(n)):
+                    fit[next(rows)] = total / w
+            self._fit = fit
+        return self._fit
+
+    def verify(self, rows: int) -> float:
         """Seconds of the verify part of a round of ``rows`` rows: its own estimate, or
         read off the measured row counts (between two: on the segment joining them;
-        beyond them: on the nearest segment, never falling; one alone: flat)."""
-        T = self.verify_t.t
+        beyond them: on the nearest segment, never falling; one alone: flat), the
+        estimates made to rise with rows (``_fitted``): a row count's estimate below a
+        smaller count's is noise (samples from another minute) that had the plan draft
+        where it lost."""
+        T = self._fitted()
         if rows in T:
             return T[rows]
         if not T:
@@ -238,13 +265,6 @@ class RoundCosts:
             a, b = sorted(near)
         slope = max(0.0, (T[b] - T[a]) / (b - a))
         return max(T[a] + slope * (rows - a), 1e-9)
-
-    def verify(self, rows: int) -> float:
-        """Seconds of the verify part of a round of ``rows`` rows (``_verify_at``), never
-        less than fewer rows': more rows cost more, and a row count's estimate that says
-        otherwise is noise (its samples from another minute) that would have the plan
-        draft where it loses."""
-        return max([self._verify_at(rows)] + [t for r, t in self.verify_t.t.items() if r < rows])
 
     def step(self, depth: int) -> float:
         """Seconds of draft step ``depth``; an unmeasured depth as the deepest measured."""
