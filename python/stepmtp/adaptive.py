@@ -227,19 +227,14 @@ class RoundCosts:
         one timed often, either way."""
         if self._fit is None:
             T = self.verify_t
-            blocks: list[list[float]] = []  # [weighted sum, weight, row counts]
+            blocks: list[tuple[float, float, list[int]]] = []  # (weighted sum, weight, row counts)
             for r in sorted(T.t):
                 w = max(T.weight(r, self.rounds), 1e-6)
-                blocks.append([T.t[r] * w, w, 1.0])
+                blocks.append((T.t[r] * w, w, [r]))
                 while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-                    b = blocks.pop()
-                    blocks[-1] = [x + y for x, y in zip(blocks[-1], b)]
-            fit: dict[int, float] = {}
-            rows = iter(sorted(T.t))
-            for total, w, n in blocks:
-                for _ in range(int(n)):
-                    fit[next(rows)] = total / w
-            self._fit = fit
+                    (s1, w1, r1), (s2, w2, r2) = blocks[-2], blocks.pop()
+                    blocks[-1] = (s1 + s2, w1 + w2, r1 + r2)
+            self._fit = {r: total / w for total, w, rows in blocks for r in rows}
         return self._fit
 
     def verify(self, rows: int) -> float:
