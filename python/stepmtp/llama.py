@@ -724,6 +724,12 @@ class Context(_Closing):
         lib.llama_mtp_context_memory(self.ptr, kv, compute, output)
         return {"kv": int(kv[0]), "compute": int(compute[0]), "output": int(output[0])}
 
+    @property
+    def graphs_reused(self) -> int:
+        """Decodes that computed on a graph built before instead of building one
+        (llama.cpp's previous graph, or one kept per shape: patch 0015)."""
+        return int(lib.llama_perf_context(self.ptr).n_reused)
+
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
         """Forget positions [p0, p1) of a sequence (p1 = -1: to the end)."""
         if not lib.llama_memory_seq_rm(self._mem, seq, p0, p1):

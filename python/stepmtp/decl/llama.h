@@ -188,6 +188,16 @@ llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
 llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 
 int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+struct llama_perf_context_data {
+    double t_start_ms;
+    double t_load_ms;
+    double t_p_eval_ms;
+    double t_eval_ms;
+    int32_t n_p_eval;
+    int32_t n_eval;
+    int32_t n_reused;
+};
+struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
 void llama_synchronize(struct llama_context * ctx);
 float * llama_get_logits(struct llama_context * ctx);
