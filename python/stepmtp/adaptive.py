@@ -42,6 +42,7 @@ Plain floats, not numpy: this runs every round, on a few numbers.
 """
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from typing import Sequence
@@ -148,8 +149,10 @@ class RoundCosts:
     tries them, so seconds compared a fresh 1-row verify with a 4-row one from a
     slower minute and the plan stopped drafting where drafting paid. ``speed`` is the
     trimmed geometric mean of the recent verifies' ratios to a reference of their row
-    count's (its first REF_SAMPLES, kept), and a sample is kept divided by it: what a
-    probe measures is then its row count's cost relative to the ones timed around it.
+    count's (its first REF_SAMPLES, kept), taken from the row count most recent
+    verifies use alone, and a sample is kept divided by it: what a probe or a short
+    drafting stretch measures is then its row count's cost relative to the count timed
+    around it.
     The references stay fixed, and it is a mean, not a median: ratios to the
     estimates themselves fed back into them, and the median of two row counts timed
     in turn flipped with the last sample; either way a change of one row count's cost
@@ -173,6 +176,7 @@ class RoundCosts:
         self._ratios: list[float] = []
         self._ref: dict[int, float] = {}
         self._rows: int | None = None  # rows of the last verify
+        self._recent: list[int] = []  # rows of the last SPEED_WINDOW verifies
         self._fit: dict[int, float] | None = None  # the estimates made to rise (``_fitted``)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
@@ -186,8 +190,18 @@ class RoundCosts:
         switched = self._rows is not None and rows != self._rows
         self._rows = rows
         self._fit = None
+        # the speed is read off the row count most verifies use, alone: a count
+        # timed in short stretches (the drafting ones at temperature 1) has a
+        # reference from a few samples of another minute, and its ratios pulled the
+        # speed away from the count in use, and every estimate with it (a 2-row
+        # verify was costed at 1.45-1.6x a 1-row one where it costs 1.7-1.8x, and one
+        # client drafted at a loss)
+        self._recent.append(rows)
+        del self._recent[: -self.SPEED_WINDOW]
+        counts = collections.Counter(self._recent)
+        dominant = counts[rows] == max(counts.values())
         ref = self._ref.get(rows)
-        if ref is not None and not switched:
+        if ref is not None and not switched and dominant:
             self._ratios.append(seconds / ref)
             del self._ratios[: -self.SPEED_WINDOW]
             r = sorted(self._ratios)
