@@ -176,17 +176,19 @@ class RoundCosts:
         self._ratios: list[float] = []
         self._ref: dict[int, float] = {}
         self._rows: int | None = None  # rows of the last verify
-        self._recent: list[int] = []  # rows of the last SPEED_WINDOW verifies
+        self._recent: collections.deque[int] = collections.deque(maxlen=self.SPEED_WINDOW)  # their rows
+        self._counts: collections.Counter[int] = collections.Counter()  # of ``_recent``, kept in step
         self._fit: dict[int, float] | None = None  # the estimates made to rise (``_fitted``)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         # a verify of other rows than the last one's pays llama.cpp's building its graph
-        # again (it reuses it for the same shape): ~2 ms on the bench model, 15% of a
-        # 1-row decode. Its ratio is not the machine's speed: taken as such, the 1-row
-        # verifies after each short drafting stretch read the machine as slower, and
-        # the row count in use drifted against the others (a 3-row verify was taken
-        # for cheaper than a 2-row one, and one client drafted 2 at temperature 1 for
-        # 50 rounds at a loss, with probes every 256 rounds to correct it)
+        # when no graph of that shape is kept (patch 0015 keeps 8; a shape's first
+        # verify, one evicted by four sequences' many counts, or the cache turned
+        # off): ~2 ms on the bench model, 15% of a 1-row decode. Its ratio is not the
+        # machine's speed: taken as such, the 1-row verifies after each short drafting
+        # stretch read the machine as slower, and the row count in use drifted against
+        # the others (a 3-row verify was taken for cheaper than a 2-row one, and one
+        # client drafted 2 at temperature 1 for 50 rounds at a loss)
         switched = self._rows is not None and rows != self._rows
         self._rows = rows
         self._fit = None
@@ -196,10 +198,11 @@ class RoundCosts:
         # speed away from the count in use, and every estimate with it (a 2-row
         # verify was costed at 1.45-1.6x a 1-row one where it costs 1.7-1.8x, and one
         # client drafted at a loss)
+        if len(self._recent) == self.SPEED_WINDOW:
+            self._counts[self._recent[0]] -= 1
         self._recent.append(rows)
-        del self._recent[: -self.SPEED_WINDOW]
-        counts = collections.Counter(self._recent)
-        dominant = counts[rows] == max(counts.values())
+        self._counts[rows] += 1
+        dominant = self._counts[rows] == max(self._counts.values())
         ref = self._ref.get(rows)
         if ref is not None and not switched and dominant:
             self._ratios.append(seconds / ref)
