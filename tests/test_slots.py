@@ -269,3 +269,32 @@ def test_a_full_shared_cache_drops_the_drafts_before_failing_a_request(agree):
         out = eng.generate("def f", n_predict=24, temperature=0)
     assert out.tokens == plain and refused  # drafts were made, refused, and dropped
     assert out.stats.n_accepted == 0
+
+
+@pytest.mark.parametrize("n_batch", [2048, 12])
+def test_prompts_that_arrive_together_start_together(n_batch):
+    """As llama-server fills one batch with every waiting prompt: requests queued together
+    are prefilled chunk by chunk in the same steps, while their prompts fit the batch (a
+    decode each, so each prompt's rows are its own), and their generations then share
+    every round. One step prefilled one prompt before, and four clients' slots drafted
+    and ended out of step. With a batch too small for two chunks, one goes per step."""
+    from stepmtp.models import default_model_path
+
+    with Engine(default_model_path(), n_ctx=4 * 512, n_parallel=4, n_batch=n_batch, n_ubatch=min(n_batch, 512),
+                mode="none") as eng:
+        reqs = [eng.submit(p, n_predict=8, temperature=0) for p in PROMPTS[:4]]
+        started: dict[int, int] = {}
+        step = 0
+        while eng.busy:
+            eng.step()
+            step += 1
+            for i, r in enumerate(reqs):
+                if r.state.seq_id >= 0 and not r.state.prefilling:
+                    started.setdefault(i, step)
+        assert len(started) == 4
+        if n_batch > 100:
+            assert set(started.values()) == {started[0]}
+        else:
+            assert len(set(started.values())) == 4
+        got = [r.completion.tokens for r in reqs]
+    assert got == [c.tokens for c in _alone(default_model_path(), PROMPTS[:4], n_predict=8, mode="none")]

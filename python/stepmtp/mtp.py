@@ -712,14 +712,7 @@ class MTPDriver:
         last chunk, sample the first token. True when done."""
         t0 = time.perf_counter()
         a, n = s.n_prefilled, len(s.prompt)
-        size = min(self.n_chunk, s.chunk_limit)
-        ub = self.target.n_ubatch
-        if size < self.target.n_batch and size > ub:
-            size -= size % ub  # shorter decodes than llama-server's: its ubatches still
-        for end in [n - off for off in self.split_offsets] + [s.n_before_user]:
-            if a < end < a + size:
-                size = end - a
-        chunk = s.prompt[a : a + size]
+        chunk = s.prompt[a : a + self.chunk_size(s)]
         last = a + len(chunk) == n
         self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
         self._decode_evicting(self.target, self.tbatch, [s])
@@ -764,6 +757,18 @@ class MTPDriver:
             s.stats.n_prompt = n
         s.stats.t_prompt_ms += (time.perf_counter() - t0) * 1e3
         return last
+
+    def chunk_size(self, s: SeqState) -> int:
+        """The tokens of ``s``'s next prompt chunk."""
+        a, n = s.n_prefilled, len(s.prompt)
+        size = min(self.n_chunk, s.chunk_limit)
+        ub = self.target.n_ubatch
+        if size < self.target.n_batch and size > ub:
+            size -= size % ub  # shorter decodes than llama-server's: its ubatches still
+        for end in [n - off for off in self.split_offsets] + [s.n_before_user]:
+            if a < end < a + size:
+                size = end - a
+        return min(size, n - a)
 
     def shrink_chunk(self, s: SeqState) -> bool:
         """Halve the prompt chunk after a decode found no room (llama-server's retry);

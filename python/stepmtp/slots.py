@@ -364,27 +364,42 @@ class Slots:
                     r.feed(out, self.model, drv.n_ctx_seq)
         prefilling = [r for r in self.slots if r is not None and r.state.prefilling]
         if prefilling:
-            r = prefilling[self._next_prefill % len(prefilling)]
+            k = self._next_prefill % len(prefilling)
             self._next_prefill += 1
-            try:
-                done = drv.prefill(r.state)
-                if not r.resuming:
-                    r.report_progress()
-                if done:
-                    r.resumed()
-                    r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
-            except KVFullError as e:
-                # as llama-server: idle slots' cached prefixes went first (the driver),
-                # then smaller chunks; then it waits for a busy slot to end, and one that
-                # finds no room with none busy fails alone
-                if not drv.shrink_chunk(r.state):
-                    if self.n_busy > 1 or r.out_tokens:
-                        self._no_room(r, 1)
-                    else:
-                        r.fail(_context_exceeded(e))
-            except LlamaError as e:
-                r.fail(e)
+            # every prompt's next chunk while they fit one batch, as llama-server fills
+            # its batch: requests that arrive together start generating together (one
+            # by one, each started a step later and the slots drafted and ended out of
+            # step, rounds of fewer rows than plain decoding's). A decode each: a row's
+            # last bits depend on the ubatch it is in, and a prompt's must be its own
+            budget = drv.n_chunk
+            for i, r in enumerate(prefilling[k:] + prefilling[:k]):
+                size = drv.chunk_size(r.state)
+                if i and size > budget:
+                    break
+                budget -= size
+                self._prefill_one(r)
         self._release_finished()
+
+    def _prefill_one(self, r: Request) -> None:
+        drv = self.driver
+        try:
+            done = drv.prefill(r.state)
+            if not r.resuming:
+                r.report_progress()
+            if done:
+                r.resumed()
+                r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
+        except KVFullError as e:
+            # as llama-server: idle slots' cached prefixes went first (the driver),
+            # then smaller chunks; then it waits for a busy slot to end, and one that
+            # finds no room with none busy fails alone
+            if not drv.shrink_chunk(r.state):
+                if self.n_busy > 1 or r.out_tokens:
+                    self._no_room(r, 1)
+                else:
+                    r.fail(_context_exceeded(e))
+        except LlamaError as e:
+            r.fail(e)
 
     def _no_room(self, r: Request, n_stuck: int) -> None:
         """A shared cache has no room for ``r``'s next tokens or its prompt (``n_stuck``
