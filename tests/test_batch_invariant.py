@@ -175,3 +175,46 @@ def test_the_server_flag(tiny, tmp_path):
     assert body["mtp"]["draft_n"] > 0
     with Engine(tiny["embedded"], mode="none", n_ctx=512, n_threads=1) as eng:
         assert body["content"] == eng.generate("def f(x):\n", n_predict=32, temperature=0).text
+
+
+def test_f16_weights_rows_at_once_are_one_row_decodes(tmp_path):
+    """Patch 0016: F16 weights multiply a decode's few rows up to 4 at a time (one
+    widening of each weight row for all of them), each row summed as a one-row product
+    sums it. The tiny model with every 2-D weight F16: rows decoded 2, 3, 4, 5, 8 and 16 at
+    a time (groups of 4 and what is left) are bit for bit the rows decoded one at a time,
+    and a wrong row stride, group or leftover would part them."""
+    import gguf
+
+    from stepmtp import Model
+    from stepmtp.tiny import CONFIG, _select, _write_gguf, build_vocab, make_tensors
+
+    tensors = _select(make_tensors(CONFIG, 0), CONFIG, "embedded")
+    types = {n: gguf.GGMLQuantizationType.F16 for n, a in tensors if a.ndim == 2 and "norm" not in n}
+    assert len(types) > 10
+    path = tmp_path / "tiny-f16.gguf"
+    _write_gguf(path, CONFIG, build_vocab(CONFIG), tensors, with_nextn=True, seed=0, variant="embedded",
+                file_type=gguf.LlamaFileType.MOSTLY_F16, tensor_types=types)
+    m = Model(path)
+    try:
+        toks = (m.tokenize("import os\nimport sys\n\ndef main(argv):\n", add_special=False) * 8)[:48]
+        start, n = 16, 16
+
+        def rows(k):
+            with Context(m, n_ctx=256, n_threads=2, n_threads_batch=2) as ctx:
+                b = Batch(64)
+                b.fill(toks[:start], 0, outputs="none")
+                ctx.decode(b)
+                out = []
+                for s in range(start, start + n, k):
+                    b.fill(toks[s : min(s + k, start + n)], s, outputs="all")
+                    ctx.decode(b)
+                    out.append(ctx.logits_rows(b.n).copy())
+                return np.concatenate(out)
+
+        one = rows(1)
+        assert np.isfinite(one).all() and one.std() > 0
+        for k in (2, 3, 4, 5, 8, 16):
+            got = rows(k)
+            assert np.array_equal(got, one), f"{k} rows at a time: row {np.flatnonzero((got != one).any(1))[0]} differs"
+    finally:
+        m.close()
