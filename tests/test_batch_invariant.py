@@ -178,19 +178,19 @@ def test_the_server_flag(tiny, tmp_path):
 
 
 def test_f16_weights_rows_at_once_are_one_row_decodes(tmp_path):
-    """Patch 0016: F16 weights multiply a decode's few rows up to 4 at a time (one
-    widening of each weight row for all of them), each row summed as a one-row product
-    sums it. The tiny model with every 2-D weight F16: rows decoded 2, 3, 4, 5, 8 and 16 at
-    a time (groups of 4 and what is left) are bit for bit the rows decoded one at a time,
-    and a wrong row stride, group or leftover would part them."""
+    """Patch 0016: F16 weights multiply a decode's few rows by tiles (each loaded weight
+    vector serving several rows), each pair summed as a one-row product sums it. The tiny
+    model with every matrix F16, the experts too: rows decoded 2, 3, 4, 5, 8 and 16 at a
+    time (tiles of 2 and 4 rows and what is left) are bit for bit the rows decoded one at
+    a time, and a wrong row stride, tile or leftover would part them."""
     import gguf
 
     from stepmtp import Model
     from stepmtp.tiny import CONFIG, _select, _write_gguf, build_vocab, make_tensors
 
     tensors = _select(make_tensors(CONFIG, 0), CONFIG, "embedded")
-    types = {n: gguf.GGMLQuantizationType.F16 for n, a in tensors if a.ndim == 2 and "norm" not in n}
-    assert len(types) > 10
+    types = {n: gguf.GGMLQuantizationType.F16 for n, a in tensors if a.ndim >= 2 and "norm" not in n}
+    assert any("exps" in n for n in types) and len(types) > 10
     path = tmp_path / "tiny-f16.gguf"
     _write_gguf(path, CONFIG, build_vocab(CONFIG), tensors, with_nextn=True, seed=0, variant="embedded",
                 file_type=gguf.LlamaFileType.MOSTLY_F16, tensor_types=types)
