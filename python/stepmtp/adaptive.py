@@ -175,8 +175,7 @@ class RoundCosts:
         self.speed = 1.0
         self._ratios: list[float] = []
         self._ref: dict[int, float] = {}
-        self._rows: int | None = None  # rows of the last verify
-        self._recent: collections.deque[int] = collections.deque(maxlen=self.SPEED_WINDOW)  # their rows
+        self._recent: collections.deque[int] = collections.deque(maxlen=self.SPEED_WINDOW)  # recent verifies' rows
         self._counts: collections.Counter[int] = collections.Counter()  # of ``_recent``, kept in step
         self._fit: dict[int, float] | None = None  # the estimates made to rise (``_fitted``)
 
@@ -189,8 +188,7 @@ class RoundCosts:
         # stretch read the machine as slower, and the row count in use drifted against
         # the others (a 3-row verify was taken for cheaper than a 2-row one, and one
         # client drafted 2 at temperature 1 for 50 rounds at a loss)
-        switched = self._rows is not None and rows != self._rows
-        self._rows = rows
+        switched = bool(self._recent) and rows != self._recent[-1]
         self._fit = None
         # the speed is read off the row count most verifies use, alone: a count
         # timed in short stretches (the drafting ones at temperature 1) has a
@@ -199,7 +197,10 @@ class RoundCosts:
         # verify was costed at 1.45-1.6x a 1-row one where it costs 1.7-1.8x, and one
         # client drafted at a loss)
         if len(self._recent) == self.SPEED_WINDOW:
-            self._counts[self._recent[0]] -= 1
+            gone = self._recent[0]
+            self._counts[gone] -= 1
+            if not self._counts[gone]:
+                del self._counts[gone]  # four sequences try many counts: max() stays short
         self._recent.append(rows)
         self._counts[rows] += 1
         dominant = self._counts[rows] == max(self._counts.values())
