@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from stepmtp.bench import gate as G
+from stepmtp.bench import matrix as X
 from stepmtp.bench import report as R
 from stepmtp.bench.__main__ import main as bench_main
 from stepmtp.bench.harness import run_bench
@@ -329,6 +330,23 @@ def test_cli_matrix(agree, tmp_path, capsys):
         return
     assert (out / "matrix.png").read_bytes()[:4] == b"\x89PNG"
 
+
+
+def test_matrix_entries_take_turns_group_by_group():
+    """A cell's pass: each group of `clients` prompts goes to every entry before the next
+    group does, the first entry rotating, so entries are compared within seconds; every
+    entry is sent every prompt once, and its pass adds up its groups."""
+    t = X.turns(9, 4, ["off", "mtp", "cpp-mtp"])
+    assert [(n, list(g)) for n, g in t[:4]] == [("off", [0, 1, 2, 3]), ("mtp", [0, 1, 2, 3]),
+                                               ("cpp-mtp", [0, 1, 2, 3]), ("mtp", [4, 5, 6, 7])]
+    assert [n for n, _ in t[3:6]] == ["mtp", "cpp-mtp", "off"] and [n for n, _ in t[6:]] == ["cpp-mtp", "off", "mtp"]
+    for name in ("off", "mtp", "cpp-mtp"):
+        assert [i for n, g in t if n == name for i in g] == list(range(9))
+    assert [len(g) for n, g in t if n == "off"] == [4, 4, 1]
+    assert [list(g) for _, g in X.turns(3, 1, ["a", "b"])] == [[0], [0], [1], [1], [2], [2]]
+    run = X.Run.joined([X.Run(2.0, 40, 10, 8, ["a", "b"]), X.Run(1.0, 20, 5, 1, ["c"])])
+    assert (run.wall_s, run.tokens, run.drafted, run.accepted, run.texts) == (3.0, 60, 15, 9, ["a", "b", "c"])
+    assert run.tok_s == 20.0
 
 # -- the widened model -------------------------------------------------------------------
 

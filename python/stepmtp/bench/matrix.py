@@ -2,11 +2,16 @@
 
 Rows are sampling temperatures, columns the number of concurrent clients; in each
 cell every *entry* (a server started once with its own flags) runs the whole prompt
-set, the clients taking prompts from a shared queue, and the cell's figure is the
-aggregate tokens per second (generated tokens / wall time, prompts included). The
-entries of a cell run one after the other, in an order that rotates from repeat to
-repeat, so the machine's drift falls on all of them alike; each entry keeps its best
-repeat.
+set, and the cell's figure is the aggregate tokens per second (generated tokens / wall
+time, prompts included). The entries take turns group by group: ``clients`` prompts
+sent at once to one entry, the same prompts to the next, and so on, the entries' order
+rotating from group to group; an entry's pass is its groups' tokens over their wall
+times summed, and each entry keeps its best pass. A shared machine's speed drifts
+10-40% within minutes (the 2-core VM this was built on), and whole passes in turns
+(half a minute each) gave each entry a different minute: the same code's ratio to
+``off`` moved by 0.1-0.2 from run to run. Groups in turns put every entry within
+seconds of the others. A group ends when its last request does, as a batch of an
+agent's parallel calls would; the next group's clients start together.
 
 Every server gets ``-m MODEL -c 4096`` (the bench-size model's own context, 1024
 positions, would be shared by the 4 slots of ``-np`` auto), ``-t`` when given, and,
@@ -43,7 +48,7 @@ from typing import Any, Sequence
 from .prompts import Prompt
 from .runners import ServerProcess, _http
 
-__all__ = ["Entry", "Cell", "ENTRIES", "parse_entries", "run_matrix", "markdown", "write_heatmap", "check_texts"]
+__all__ = ["Entry", "Cell", "Run", "turns", "ENTRIES", "parse_entries", "run_matrix", "markdown", "write_heatmap", "check_texts"]
 
 DEFAULT_TEMPS = (0.0, 0.7, 1.0)
 DEFAULT_CLIENTS = (1, 2, 4, 8)
@@ -108,6 +113,23 @@ class Run:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @classmethod
+    def joined(cls, parts: Sequence["Run"]) -> "Run":
+        """One pass from its groups, run one after another."""
+        return cls(sum(r.wall_s for r in parts), sum(r.tokens for r in parts), sum(r.drafted for r in parts),
+                   sum(r.accepted for r in parts), [t for r in parts for t in r.texts])
+
+
+def turns(n_prompts: int, clients: int, names: Sequence[str]) -> list[tuple[str, range]]:
+    """A cell's pass in the order it runs: (entry, the prompts it is sent at once), every
+    entry a group's prompts in turn, the order rotating from group to group."""
+    order, out = list(names), []
+    for i in range(0, n_prompts, clients):
+        group = range(i, min(i + clients, n_prompts))
+        out += [(n, group) for n in order]
+        order = order[1:] + order[:1]
+    return out
 
 
 @dataclass
@@ -216,17 +238,21 @@ def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path,
             props[e.name] = {"argv": s.argv, "props": p if status == 200 else None}
             # a first short request: buffers allocated, pages faulted in
             _request(s.url, Prompt(prompts[0].category, prompts[0].prompt, 8), 0.0, timeout)
-        order = list(entries)
+        names = [e.name for e in entries]
         for k in range(repeat):
+            first = names[k % len(names):] + names[: k % len(names)]  # who starts moves on each pass
             for cell in cells:
-                for e in order:
-                    run = _drive(servers[e.name].url, prompts, cell.temperature, cell.clients, timeout)
-                    cell.runs.setdefault(e.name, []).append(run)
+                parts: dict[str, list[Run]] = {n: [] for n in names}
+                for name, group in turns(len(prompts), cell.clients, first):
+                    parts[name].append(_drive(servers[name].url, [prompts[i] for i in group], cell.temperature,
+                                              cell.clients, timeout))
+                for name in names:
+                    run = Run.joined(parts[name])
+                    cell.runs.setdefault(name, []).append(run)
                     if progress:
                         acc = f", accept {run.accepted / run.drafted:.2f}" if run.drafted else ""
                         print(f"matrix: pass {k + 1}/{repeat} t={cell.temperature:g} clients={cell.clients} "
-                              f"{e.name}: {run.tok_s:.1f} tok/s{acc}", file=sys.stderr)
-                order = order[1:] + order[:1]
+                              f"{name}: {run.tok_s:.1f} tok/s{acc}", file=sys.stderr)
     finally:
         for s in servers.values():
             s.close()
