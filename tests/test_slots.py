@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
 from stepmtp import Engine
@@ -298,3 +299,85 @@ def test_prompts_that_arrive_together_start_together(n_batch):
             assert len(set(started.values())) == 4
         got = [r.completion.tokens for r in reqs]
     assert got == [c.tokens for c in _alone(default_model_path(), PROMPTS[:4], n_predict=8, mode="none")]
+
+
+def test_prompt_chunks_share_a_decode_and_keep_their_text():
+    """Four prompts queued together: their long chunks (64+ rows each: llama.cpp's gemm
+    and attention tiles alone or together) go in one decode, then their 4-token tails
+    (llama-server's split for checkpoints: one-row kernels alone or together, as a
+    verify's rows) in another, as llama-server batches them; a chunk of 17-63 rows goes
+    alone (together with others it would take the gemm). Every row keeps the bits it
+    gets decoded alone, so with MTP drafting at temperature 0 each text equals its text
+    alone."""
+    from stepmtp.models import default_model_path
+
+    prompts = [(p * 12)[: 300 + 60 * i] for i, p in enumerate(PROMPTS[:4])]
+    with Engine(default_model_path(), n_ctx=4 * 1024, n_parallel=4, kv_unified=True) as eng:  # -np auto
+        drv = eng.driver
+        sizes: list[list[int]] = []
+        shared = drv.prefill_together
+
+        def spy(seqs):
+            sizes.append([drv.chunk_size(s) for s in seqs])
+            return shared(seqs)
+
+        drv.prefill_together = spy
+        reqs = [eng.submit(p, n_predict=40, temperature=0) for p in prompts]
+        while eng.busy:
+            eng.step()
+        got = [r.completion for r in reqs]
+        n_prompt = [len(r.prompt_tokens) for r in reqs]
+    assert all(len(x) == 1 or min(x) >= 64 and sum(x) <= 512 or sum(x) <= 16 for x in sizes)
+    assert any(len(x) >= 3 and min(x) >= 64 for x in sizes)  # the long chunks shared
+    assert any(len(x) >= 2 and sum(x) <= 16 for x in sizes)  # the short ones too
+    assert [x for x in sizes if 16 < x[0] < 64]  # and one of 17-63 rows went alone
+    assert sum(map(sum, sizes)) == sum(n_prompt)
+    assert all(sum(g.stats.drafted_per_depth) for g in got)  # MTP drafted in every one
+    for g, a in zip(got, _alone(default_model_path(), prompts, n_predict=40)):
+        assert g.tokens == a.tokens
+
+
+def test_chunks_grouped_to_share_a_decode_keep_their_bits():
+    """The grouping rule, bit for bit: prompt chunks (each a sequence's, from position 0)
+    decoded in one decode give the logits of their last rows, and of a token decoded
+    after them, that decoding them one after another gives, for every group the rule
+    forms; the mixes it keeps apart do not (a 19- and a 48-row chunk: together they
+    reach the attention tiles; three of 30 rows; a long chunk with a short one)."""
+    from stepmtp import Batch, Context, Model
+    from stepmtp.models import default_model_path
+    from stepmtp.mtp import MTPDriver
+
+    m = Model(default_model_path())
+    toks = m.tokenize("import os\nimport sys\n\ndef main(argv):\n    for a in argv:\n        print(a, len(a))\n" * 20,
+                      add_special=False)
+
+    def rows(sizes, together):
+        chunks = [(s, toks[7 * s : 7 * s + n]) for s, n in enumerate(sizes)]
+        out = []
+        with Context(m, n_ctx=2048, n_seq_max=len(sizes), kv_unified=True) as ctx:
+            b = Batch(512)
+            if together:
+                b.clear()
+                last = [b.append(t, 0, s, outputs="last") + len(t) - 1 for s, t in chunks]
+                ctx.decode(b)
+                out += [ctx.logits(i).copy() for i in last]
+            else:
+                for s, t in chunks:
+                    b.fill(t, 0, s, outputs="last")
+                    ctx.decode(b)
+                    out.append(ctx.logits(-1).copy())
+            for s, t in chunks:  # what each chunk left in the cache
+                b.fill(t[:1], len(t), s, outputs="last")
+                ctx.decode(b)
+                out.append(ctx.logits(-1).copy())
+        return out
+
+    def same(sizes):
+        return all(np.array_equal(a, b) for a, b in zip(rows(sizes, False), rows(sizes, True)))
+
+    for sizes in ([64, 100, 128], [4, 4, 8], [92, 128, 75, 94]):
+        assert MTPDriver.chunk_groups(sizes, 16, 512) == [list(range(len(sizes)))]
+        assert same(sizes), sizes
+    for sizes in ([19, 48], [30, 30, 30], [4, 100]):
+        assert len(MTPDriver.chunk_groups(sizes, 16, 512)) == len(sizes)
+        assert not same(sizes), sizes

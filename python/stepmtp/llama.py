@@ -19,7 +19,7 @@ import numpy as np
 
 from .binding import ErrorCapture, LlamaError, ensure_backend, ffi, lib
 from .placement import Placement, kv_type
-from .rpc import Servers, parse_servers
+from .rpc import Servers, _local_devices, parse_servers
 
 __all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "KVFullError", "default_threads",
            "shard_paths"]
@@ -43,6 +43,13 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS
         return max(1, os.cpu_count() or 1)
+
+
+def cpu_only() -> bool:
+    """Whether llama.cpp has no GPU here to run anything on (RPC servers are a model's
+    own: ``Model.rpc``)."""
+    ensure_backend()
+    return not _local_devices()
 
 
 def _gpu_layers(n: int | str) -> int:

@@ -69,6 +69,7 @@ text at temperature 0.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from .adaptive import DraftPlanner, SeqPolicy, regime
-from .llama import Batch, Context, KVFullError, LlamaError
+from .llama import Batch, Context, KVFullError, LlamaError, cpu_only
 from .prompt_cache import Checkpoint, HostPromptCache, SlotState, heads_path, read_heads, write_heads
 from .sampling import DraftShaper, Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
@@ -382,12 +383,20 @@ class MTPDriver:
         # the generation prompt before it) from the other
         self.split_offsets = (min(target.n_batch, 4 + target.n_ubatch), min(target.n_batch, 4)) \
             if checkpoints > 0 else ()
+        # several sequences' prompt chunks share a decode (``shared_prefills``) where
+        # llama.cpp's CPU kernels run every row (a GPU's choose by batch size), in one
+        # cache stream (several streams split a batch by sequence otherwise)
+        # (STEPMTP_SHARED_PROMPTS=0 in the environment: a decode each, for measuring)
+        self.share_prompt_decodes = n_seq > 1 and target.kv_unified and cpu_only() and target.model.rpc is None \
+            and os.environ.get("STEPMTP_SHARED_PROMPTS", "1") != "0"
+        self.row_invariant_rows = int(os.environ.get("GGML_CPU_ROW_INVARIANT_ROWS", "16"))
         # rows one sequence may put in a shared decode: every sequence's rows must fit
         self.n_rows_seq = self.n_chunk // n_seq
         if self.n_rows_seq <= self.n_draft + 1:
             raise ValueError(f"n_batch ({self.n_chunk}) must exceed {n_seq} x (draft length + 2)")
         self.n_ctx_seq = target.n_ctx_seq
-        self.tbatch = Batch(self.n_chunk)
+        # shared prompt decodes carry up to a ubatch of rows (one sequence's: n_chunk)
+        self.tbatch = Batch(max(self.n_chunk, target.n_ubatch) if self.share_prompt_decodes else self.n_chunk)
         self.dbatch = Batch(self.n_chunk, n_embd=self.n_embd) if live else None
         # unmasked: a hidden row for every batch row (the prompt's rows are not outputs)
         target.set_nextn(self.speculate, masked=False)
@@ -710,19 +719,41 @@ class MTPDriver:
     def prefill(self, s: SeqState) -> bool:
         """Decode the next chunk of the prompt and anchor the heads on it; after the
         last chunk, sample the first token. True when done."""
+        return self.prefill_together([s])[0]
+
+    def prefill_together(self, seqs: list[SeqState]) -> list[bool]:
+        """``prefill`` for several sequences, their chunks in one decode of the target
+        (``shared_prefills`` says which may share one); per sequence, True when done."""
         t0 = time.perf_counter()
+        tb = self.tbatch
+        tb.clear()
+        chunks = []
+        for s in seqs:
+            a = s.n_prefilled
+            chunk = s.prompt[a : a + self.chunk_size(s)]
+            last = a + len(chunk) == len(s.prompt)
+            chunks.append((chunk, tb.append(chunk, a, s.seq_id, outputs="last" if last else "none"), last))
+        self._decode_evicting(self.target, tb, seqs)
+        h_all = self.target.nextn(tb.n) if self.speculate else None
+        done = []
+        for s, (chunk, i0, last) in zip(seqs, chunks):
+            h = h_all[i0 : i0 + len(chunk)] if h_all is not None else None
+            self._prefilled(s, chunk, h, i0 + len(chunk) - 1 if last else None)
+            s.stats.t_prompt_ms += (time.perf_counter() - t0) * 1e3
+            done.append(last)
+        return done
+
+    def _prefilled(self, s: SeqState, chunk: list[int], h: np.ndarray | None, out_row: int | None) -> None:
+        """After the target decoded ``chunk`` of ``s``'s prompt (``h``: its hidden rows):
+        the checkpoint, the heads, and after the last chunk (its logits at batch row
+        ``out_row``) the first token."""
         a, n = s.n_prefilled, len(s.prompt)
-        chunk = s.prompt[a : a + self.chunk_size(s)]
-        last = a + len(chunk) == n
-        self.tbatch.fill(chunk, a, s.seq_id, outputs="last" if last else "none")
-        self._decode_evicting(self.target, self.tbatch, [s])
         end = a + len(chunk)
         if self.n_checkpoints and (n - end in self.split_offsets or end == s.n_before_user) and end >= 2 and \
                 not any(x.q == end - 1 for x in s.checkpoints):
             s.checkpoints.append(Checkpoint(end - 1, self.target.seq_state(s.seq_id, swa_only=True)))
             del s.checkpoints[: -self.n_checkpoints]
         if self.speculate:
-            h = self.target.nextn(len(chunk))
             self._log_h(s, a, h)
             # a cached prefix's last token is decoded again only for its trunk row:
             # the heads are anchored there already
@@ -741,9 +772,9 @@ class MTPDriver:
             else:
                 self._process([(s, chunk, a, h)])
             s.pending_h = h[-1].copy()
-        s.n_prefilled = a + len(chunk)
-        if last:
-            raw = self.target.logits(-1)
+        s.n_prefilled = end
+        if out_row is not None:
+            raw = self.target.logits(out_row)
             row = _masked(s, raw)
             s.id_last = s.sampler.sample(row, s.tokens)
             if s.n_probs:
@@ -755,8 +786,52 @@ class MTPDriver:
             if self.fused and self.speculate:
                 s.anchors.append([s.id_last], s.pending_h[None, :])
             s.stats.n_prompt = n
-        s.stats.t_prompt_ms += (time.perf_counter() - t0) * 1e3
-        return last
+
+    #: llama.cpp's CPU kernels choose their path by the rows of the ubatch: products of at
+    #: most GGML_CPU_ROW_INVARIANT_ROWS rows (patch 0010: 16) one row at a time, more
+    #: through llamafile's gemm; attention in tiles from GGML_FA_TILE_Q (64) query rows.
+    #: Each path gives a row the same bits whatever rows it shares the ubatch with (the
+    #: one-row kernels per pair; the gemm and the tiles sum each row's products in one
+    #: order), but the paths differ from one another. So chunks of this many rows or
+    #: more share a decode while they fit one ubatch, and smaller chunks while together
+    #: they stay one-row products (as a verify's rows of several sequences do)
+    SHARED_CHUNK_MIN_ROWS = 64
+
+    def shared_prefills(self, seqs: list[SeqState]) -> list[list[SeqState]]:
+        """``seqs``' next prompt chunks as groups that each go in one decode
+        (``prefill_together``), in the order of their first sequences, where every row
+        keeps the bits it gets decoded alone (``share_prompt_decodes``; groups of one
+        otherwise): a prompt's must be its own, at temperature 0 its text is."""
+        if not self.share_prompt_decodes:
+            return [[s] for s in seqs]
+        cap = min(self.target.n_ubatch, self.tbatch.capacity)
+        groups = self.chunk_groups([self.chunk_size(s) for s in seqs], self.row_invariant_rows, cap)
+        return [[seqs[i] for i in g] for g in groups]
+
+    @classmethod
+    def chunk_groups(cls, sizes: list[int], small: int, cap: int) -> list[list[int]]:
+        """Chunks of these sizes (rows) as groups of indices that may share a decode:
+        chunks of SHARED_CHUNK_MIN_ROWS or more while they fit ``cap`` (one ubatch),
+        chunks that together stay within ``small`` rows (one-row products), any other
+        chunk alone; each group where its first chunk is."""
+        groups: list[list[int]] = []
+        open_: dict[str, tuple[list[int], list[int]]] = {}  # kind -> (its group, [rows])
+        for i, size in enumerate(sizes):
+            if cls.SHARED_CHUNK_MIN_ROWS <= size <= cap:
+                kind, limit = "gemm", cap
+            elif size <= small:
+                kind, limit = "rows", small
+            else:
+                groups.append([i])
+                continue
+            g = open_.get(kind)
+            if g is not None and g[1][0] + size <= limit:
+                g[0].append(i)
+                g[1][0] += size
+            else:
+                groups.append([i])
+                open_[kind] = (groups[-1], [size])
+        return groups
 
     def chunk_size(self, s: SeqState) -> int:
         """The tokens of ``s``'s next prompt chunk."""

@@ -369,16 +369,42 @@ class Slots:
             # every prompt's next chunk while they fit one batch, as llama-server fills
             # its batch: requests that arrive together start generating together (one
             # by one, each started a step later and the slots drafted and ended out of
-            # step, rounds of fewer rows than plain decoding's). A decode each: a row's
-            # last bits depend on the ubatch it is in, and a prompt's must be its own
-            budget = drv.n_chunk
+            # step, rounds of fewer rows than plain decoding's). Chunks share a decode
+            # where each row keeps the bits it has decoded alone (``shared_prefills``):
+            # a prompt's must be its own
+            budget, chosen = drv.target.n_batch, []
             for i, r in enumerate(prefilling[k:] + prefilling[:k]):
                 size = drv.chunk_size(r.state)
                 if i and size > budget:
                     break
                 budget -= size
-                self._prefill_one(r)
+                chosen.append(r)
+            by_state = {id(r.state): r for r in chosen}
+            for group in drv.shared_prefills([r.state for r in chosen]):
+                reqs = [by_state[id(st)] for st in group]
+                if len(reqs) == 1 or not self._prefill_together(reqs):
+                    for r in reqs:
+                        self._prefill_one(r)
         self._release_finished()
+
+    def _prefill_together(self, reqs: list[Request]) -> bool:
+        """The next chunks of ``reqs``' prompts in one decode; False when the cache had no
+        room for them all (nothing decoded: each goes on alone, as ``_prefill_one``)."""
+        try:
+            done = self.driver.prefill_together([r.state for r in reqs])
+        except KVFullError:
+            return False
+        except LlamaError as e:
+            for r in reqs:
+                r.fail(e)
+            return True
+        for r, d in zip(reqs, done):
+            if not r.resuming:
+                r.report_progress()
+            if d:
+                r.resumed()
+                r.feed([r.state.id_last], self.model, self.driver.n_ctx_seq)
+        return True
 
     def _prefill_one(self, r: Request) -> None:
         drv = self.driver
