@@ -293,7 +293,8 @@ class SeqPolicy:
     pulled towards the engine's long-run rate for its sampling regime), and the rounds
     it still drafts after starting again (a first draft after a pause says little)."""
 
-    #: a sequence that starts drafting again drafts at least this many rounds
+    #: a sequence that starts drafting again drafts at least this many rounds (after a
+    #: probe: when the probe's drafts were accepted)
     HOLD_ROUNDS = 4
 
     #: how many drafts at the engine's rate a sequence's own record starts with: at 4, a
@@ -312,6 +313,7 @@ class SeqPolicy:
         self.engine = planner.record_for(key)
         self.hold = 0
         self.last = 0  # drafts planned last round
+        self.probed = False  # last round's drafts started with a probe
         self.rounds = 0
         #: rows its heads decode before it drafts again (all heads'; the driver's, each round)
         self.behind = 0
@@ -333,6 +335,9 @@ class SeqPolicy:
     def observe(self, n_drafted: int, n_accepted: int) -> None:
         """What the round did: drafts, and how many of them were accepted."""
         self.record.fade_to(self.rounds)
+        if self.probed and n_accepted:
+            self.hold = self.HOLD_ROUNDS - 1  # a probe that drafted well: see if it lasts
+        self.probed = False
         for d in range(min(n_drafted, self.planner.n_draft)):
             ok = d < n_accepted
             self.record.add(d, ok)
@@ -382,6 +387,14 @@ class DraftPlanner:
     #: client ran at 0.86x of plain decoding against 0.99x with it (same machine, an
     #: hour apart); at temperature 0 the two were level
     NO_DRAFT_EDGE = 1.05
+    #: the edge where a round's sequences sample (temperature above 0): each draft's
+    #: acceptance there is a coin of about even odds, so a sequence's record of its
+    #: last few dozen drafts strays further from its rate than at temperature 0, and
+    #: drafting it starts by chance more often: at 1.05, one client at temperature 1
+    #: (rejection sampling, drafts accepted 0.6, a 2-row verify 1.6-1.8x a 1-row one)
+    #: drafted 711 tokens in 2304 at 0.948 ± 0.030 of plain decoding's speed, at 1.12
+    #: 224 at 0.985 ± 0.023, at 1.2 236 at 0.982 ± 0.020 (paired, in turns, bench model)
+    NO_DRAFT_EDGE_SAMPLED = 1.12
 
     def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64,
                  costs: RoundCosts | None = None) -> None:
@@ -396,6 +409,7 @@ class DraftPlanner:
         self._records: dict[tuple[float, bool], _EngineRecord] = {}
         self._last: tuple[int, int] | None = None  # (sequences, rows) of the last plan
         self._explored = 0  # rounds drafted to time the draft steps (an engine's first rounds)
+        self._probing = False  # this round's plan is a probe
 
     @property
     def rounds(self) -> int:
@@ -417,13 +431,19 @@ class DraftPlanner:
         self.costs.rounds += 1
         for p in seqs:
             p.rounds += 1
+        self._probing = False
         if not self.costs.known:
             out = self._explore_plan(seqs, caps)
         else:
             out = self._best_plan(seqs, caps)
         for p, n in zip(seqs, out):
+            # a probe times a row count in one round, and holds on only when its drafts
+            # were accepted (``SeqPolicy.observe``): held on always, each probe of a plan
+            # that does not pay cost four drafting rounds in 64 (at temperature 1 on
+            # the bench model, 1-2% of plain decoding's speed)
             if n and not p.last:
-                p.hold = SeqPolicy.HOLD_ROUNDS - 1
+                p.hold = 0 if self._probing else SeqPolicy.HOLD_ROUNDS - 1
+                p.probed = self._probing
             elif p.hold:
                 p.hold -= 1
             p.last = n
@@ -451,6 +471,8 @@ class DraftPlanner:
         options: dict[tuple[int, int], tuple[float, list[int]]] = {}
         step_sum = 0.0
         resume = self._resume_costs(seqs)
+        # (a round with a greedy sequence in it keeps the greedy edge: its gains count)
+        edge = self.NO_DRAFT_EDGE_SAMPLED if all(p.key[0] > 0 for p in seqs) else self.NO_DRAFT_EDGE
         for D in range(self.n_draft + 1):
             if D:
                 step_sum += costs.step(D - 1)
@@ -467,7 +489,7 @@ class DraftPlanner:
             while True:
                 rate = tokens / (costs.verify(rows) + step_sum + extra)
                 if D == 0:
-                    rate *= self.NO_DRAFT_EDGE
+                    rate *= edge
                 options[(D, rows)] = (rate, list(n))
                 if best is None or rate > best[0]:
                     best = (rate, D, rows)
@@ -502,8 +524,10 @@ class DraftPlanner:
             chosen, self._probe_again = self._probe_again, None
             if chosen not in options:
                 chosen = (D, rows)
+            self._probing = True
         elif self.rounds >= self._next_probe:
             chosen = self._probe_plan(options, chosen)
+            self._probing = True
             if chosen[1] not in self.costs.verify_t.warm:
                 self._probe_again = chosen
         elif self._probe is not None and not any(p.hold for p in seqs):
