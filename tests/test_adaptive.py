@@ -301,6 +301,19 @@ def test_the_speed_is_read_off_the_row_count_in_use(ref2):
     assert c.verify(2) / c.verify(1) == pytest.approx(1.7, rel=0.02)
 
 
+def test_a_count_that_leads_again_after_a_change_of_load_keeps_the_speed():
+    """Four clients verify 2 rows at 1.3 (a 1-row verify at 1.0); then one client verifies
+    1 row most rounds and 2 rows at 1.9 in drafting stretches. When 2 rows lead again,
+    its reference from the four clients' minutes read the machine as 1.46x slower and
+    costed 2 rows at 1.3x one (the plan drafted at a loss); it costs 1.9x."""
+    c = RoundCosts(1)
+    verifies(c, [(1, 1.0)] * 6 + [(2, 1.3)] * 30)
+    verifies(c, [(1, 1.0)] * 40 + ([(2, 1.9)] * 4 + [(1, 1.0)] * 8) * 3)
+    verifies(c, [(2, 1.9)] * 30 + [(1, 1.0)] * 2 + [(2, 1.9)] * 4)
+    assert c.speed == pytest.approx(1.0, rel=0.05)
+    assert c.verify(2) / c.verify(1) == pytest.approx(1.9, rel=0.05)
+
+
 def test_preempted_rounds_move_no_estimate():
     """A 2-core VM's spikes (1.5-3x, now and then 100x) must not make a plan look
     dearer than it is: a mean moved by them chose one draft where three paid."""

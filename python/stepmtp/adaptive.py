@@ -153,10 +153,12 @@ class RoundCosts:
     verifies use alone, and a sample is kept divided by it: what a probe or a short
     drafting stretch measures is then its row count's cost relative to the count timed
     around it.
-    The references stay fixed, and it is a mean, not a median: ratios to the
-    estimates themselves fed back into them, and the median of two row counts timed
-    in turn flipped with the last sample; either way a change of one row count's cost
-    was taken for the machine's."""
+    The references stay fixed while their count leads (a count that takes the lead
+    alone has its reference taken again, from its estimate of the moment: one taken
+    under another load would make the speed jump), and it is a mean, not a median:
+    ratios to the estimates themselves fed back into them, and the median of two row
+    counts timed in turn flipped with the last sample; either way a change of one row
+    count's cost was taken for the machine's."""
 
     #: verifies whose ratio to their row count's reference makes the machine's speed
     SPEED_WINDOW = 24
@@ -175,6 +177,7 @@ class RoundCosts:
         self.speed = 1.0
         self._ratios: list[float] = []
         self._ref: dict[int, float] = {}
+        self._lead: int | None = None  # the row count the speed was last read off
         self._recent: collections.deque[int] = collections.deque(maxlen=self.SPEED_WINDOW)  # recent verifies' rows
         self._counts: collections.Counter[int] = collections.Counter()  # of ``_recent``, kept in step
         self._fit: dict[int, float] | None = None  # the estimates made to rise (``_fitted``)
@@ -206,6 +209,22 @@ class RoundCosts:
         dominant = self._counts[rows] == max(self._counts.values())
         ref = self._ref.get(rows)
         if ref is not None and not switched and dominant:
+            if rows != self._lead and rows in self.verify_t.t and \
+                    all(k == rows or n < self._counts[rows] for k, n in self._counts.items()):
+                # the speed is read off another count from now on (it leads alone: two
+                # counts level in turn, each taken again at every turn, fed the speed
+                # back into itself and it sank, 0.49 in 160 rounds): its reference is
+                # taken again, its estimate of the moment (in the units the speed has
+                # kept), so the speed goes on where it was. Its old reference came from
+                # another load (four clients' verifies, then one client's): the speed
+                # jumped by how far its cost had moved against the count read before,
+                # and every count timed since was costed by that jump (after four
+                # clients at temperature 0, one client's 2-row verify was costed at
+                # 1.65x a 1-row one where it took 1.95x, and it drafted at a loss)
+                ref = self._ref[rows] = self.verify_t.t[rows]
+                self._lead = rows
+            elif self._lead is None:
+                self._lead = rows
             self._ratios.append(seconds / ref)
             del self._ratios[: -self.SPEED_WINDOW]
             r = sorted(self._ratios)
