@@ -735,11 +735,13 @@ class MTPDriver:
             chunks.append((chunk, tb.append(chunk, a, s.seq_id, outputs="last" if last else "none"), last))
         self._decode_evicting(self.target, tb, seqs)
         h_all = self.target.nextn(tb.n) if self.speculate else None
+        shared_ms = (time.perf_counter() - t0) * 1e3  # each prompt waited for the whole decode
         done = []
         for s, (chunk, i0, last) in zip(seqs, chunks):
+            t1 = time.perf_counter()
             h = h_all[i0 : i0 + len(chunk)] if h_all is not None else None
             self._prefilled(s, chunk, h, i0 + len(chunk) - 1 if last else None)
-            s.stats.t_prompt_ms += (time.perf_counter() - t0) * 1e3
+            s.stats.t_prompt_ms += shared_ms + (time.perf_counter() - t1) * 1e3
             done.append(last)
         return done
 

@@ -399,22 +399,21 @@ class Slots:
                 r.fail(e)
             return True
         for r, d in zip(reqs, done):
-            if not r.resuming:
-                r.report_progress()
-            if d:
-                r.resumed()
-                r.feed([r.state.id_last], self.model, self.driver.n_ctx_seq)
+            self._prefilled(r, d)
         return True
+
+    def _prefilled(self, r: Request, done: bool) -> None:
+        """After a chunk of ``r``'s prompt: its progress, and once ``done`` its first token."""
+        if not r.resuming:
+            r.report_progress()
+        if done:
+            r.resumed()
+            r.feed([r.state.id_last], self.model, self.driver.n_ctx_seq)
 
     def _prefill_one(self, r: Request) -> None:
         drv = self.driver
         try:
-            done = drv.prefill(r.state)
-            if not r.resuming:
-                r.report_progress()
-            if done:
-                r.resumed()
-                r.feed([r.state.id_last], self.model, drv.n_ctx_seq)
+            self._prefilled(r, drv.prefill(r.state))
         except KVFullError as e:
             # as llama-server: idle slots' cached prefixes went first (the driver),
             # then smaller chunks; then it waits for a busy slot to end, and one that
