@@ -411,9 +411,9 @@ def test_the_distribution_check_fails_a_verifier_given_another_q(tmp_path_factor
 
     verify = M.verify_rejection
 
-    def wrong_q(sampler, p_row, drafts, q_rows):
+    def wrong_q(sampler, p_row, drafts, q_rows, bonus=None):
         q = np.power(q_rows, 3.0)
-        return verify(sampler, p_row, drafts, q / q.sum(axis=1, keepdims=True))
+        return verify(sampler, p_row, drafts, q / q.sum(axis=1, keepdims=True), bonus)
 
     monkeypatch.setattr(M, "verify_rejection", wrong_q)
     path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]

@@ -972,20 +972,27 @@ class MTPDriver:
         if self.speculate:
             self._log_h(s, r, verify_h)
         c = s.constraint
-        if s.rejection:
+        # (nothing drafted: the row is sampled as plain decoding samples it, below)
+        if s.rejection and n:
             hist = s.tokens
             p_rows: dict[int, np.ndarray] = {}
             advanced = 0  # drafts the constraint went through for rows without a kept mask
 
-            def p_row(i: int) -> np.ndarray:
+            def masked_row(i: int) -> np.ndarray:
                 nonlocal advanced
                 if c is not None and i >= s.n_masked:  # row i is masked given the drafts before it
                     c.advance_many(drafts[advanced:i])
                     advanced = max(advanced, i)
-                p_rows[i] = s.sampler.dense(_masked(s, logits[i], i), hist, drafts[:i])
+                return _masked(s, logits[i], i)
+
+            def p_row(i: int) -> np.ndarray:
+                p_rows[i] = s.sampler.dense(masked_row(i), hist, drafts[:i])
                 return p_rows[i]
 
-            out = verify_rejection(s.sampler, p_row, drafts, s.q[:n])
+            def bonus() -> int:
+                return s.sampler.sample(masked_row(n), hist, drafts)
+
+            out = verify_rejection(s.sampler, p_row, drafts, s.q[:n], bonus)
             if s.shaper is not None:
                 for i in range(min(len(out), n)):  # the draft rows whose p was computed
                     s.shaper.observe(i, p_rows[i], s.q0[i])
