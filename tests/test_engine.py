@@ -411,7 +411,7 @@ def test_the_distribution_check_fails_a_verifier_given_another_q(tmp_path_factor
 
     verify = M.verify_rejection
 
-    def wrong_q(sampler, p_row, drafts, q_rows, bonus=None):
+    def wrong_q(sampler, p_row, drafts, q_rows, bonus):
         q = np.power(q_rows, 3.0)
         return verify(sampler, p_row, drafts, q / q.sum(axis=1, keepdims=True), bonus)
 

@@ -972,8 +972,7 @@ class MTPDriver:
         if self.speculate:
             self._log_h(s, r, verify_h)
         c = s.constraint
-        # (nothing drafted: the row is sampled as plain decoding samples it, below)
-        if s.rejection and n:
+        if s.rejection:
             hist = s.tokens
             p_rows: dict[int, np.ndarray] = {}
             advanced = 0  # drafts the constraint went through for rows without a kept mask
@@ -990,6 +989,8 @@ class MTPDriver:
                 return p_rows[i]
 
             def bonus() -> int:
+                if s.n_probs:  # its dense row is what the request's probabilities report
+                    return s.sampler.draw(p_row(n))
                 return s.sampler.sample(masked_row(n), hist, drafts)
 
             out = verify_rejection(s.sampler, p_row, drafts, s.q[:n], bonus)

@@ -394,18 +394,18 @@ _STAGES: dict[str, Callable[[Sampler, np.ndarray], "np.ndarray | None"]] = {
 
 
 def verify_rejection(sampler: Sampler, p_row: Callable[[int], np.ndarray], drafts: Sequence[int],
-                     q_rows: np.ndarray, bonus: Callable[[], int] | None = None) -> list[int]:
+                     q_rows: np.ndarray, bonus: Callable[[], int]) -> list[int]:
     """Speculative sampling: accept draft i with probability min(1, p_i(d_i) / q_i(d_i));
     at the first rejection draw from the normalised residual max(0, p_i - q_i); when
     every draft is accepted, draw a bonus token from p_n. The tokens returned are
     distributed exactly as sampling from p token by token.
 
-    ``p_row(i)`` (i = 0..n) is the target's distribution at row i (``Sampler.dense``;
+    ``p_row(i)`` (i < n) is the target's distribution at row i (``Sampler.dense``;
     asked for only while the drafts before it are accepted), ``q_rows[i]`` the
-    distribution draft i was drawn from. ``bonus()``, when given, samples the token
-    after every draft was accepted from row n as plain decoding would (the chain's
-    kept tokens only, not the whole vocabulary: a draw over a dense row of 128k
-    entries cost 1% of a round on the bench model, paid every round nothing was drafted).
+    distribution draft i was drawn from, ``bonus()`` the token after every draft was
+    accepted, sampled from row n as plain decoding samples (over the chain's kept
+    tokens: a draw over a dense row of the vocabulary cost ~1% of a round on the bench
+    model, in every round that drafted nothing).
     """
     out: list[int] = []
     n = len(drafts)
@@ -417,7 +417,7 @@ def verify_rejection(sampler: Sampler, p_row: Callable[[int], np.ndarray], draft
         resid = np.maximum(p - q, 0.0)
         out.append(sampler.draw(resid) if resid.sum() > 0 else sampler.draw(p))
         return out
-    out.append(bonus() if bonus is not None else sampler.draw(p_row(n)))
+    out.append(bonus())
     return out
 
 
