@@ -218,3 +218,44 @@ def test_f16_weights_rows_at_once_are_one_row_decodes(tmp_path):
             assert np.array_equal(got, one), f"{k} rows at a time: row {np.flatnonzero((got != one).any(1))[0]} differs"
     finally:
         m.close()
+
+
+F16_LOGITS = r"""
+    import hashlib, json, sys
+    from stepmtp import Batch, Context, Model
+
+    m = Model(sys.argv[1])
+    toks = (m.tokenize("import os\nimport sys\n\ndef main(argv):\n", add_special=False) * 8)[:48]
+    out = {}
+    with Context(m, n_ctx=256, n_threads=1, n_threads_batch=1) as ctx:
+        b = Batch(64)
+        b.fill(toks[:40], 0, seq=0, outputs="all")  # a prompt: each expert takes several of 40 rows
+        ctx.decode(b)
+        out["prompt"] = hashlib.sha256(ctx.logits_rows(40).tobytes()).hexdigest()
+        b.fill(toks[40:44], 40, seq=0, outputs="all")  # a verify's 4 rows
+        ctx.decode(b)
+        out["verify"] = hashlib.sha256(ctx.logits_rows(4).tobytes()).hexdigest()
+    print(json.dumps(out))
+"""
+
+
+def test_f16_tiles_change_no_bit(tmp_path):
+    """Patch 0016 multiplies F16 weights by a few rows at a time in tiles, dense products
+    of a decode's rows and an expert's rows of any batch (a prompt's too); every pair must
+    keep the sum of ggml_vec_dot_f16, the one-pair loop (GGML_CPU_F16_TILES=0): the tiny
+    model with every matrix F16, its logits compared bit for bit."""
+    import gguf
+
+    from stepmtp import tiny
+
+    cfg = tiny.CONFIG
+    tensors = tiny._select(tiny.make_tensors(cfg, 0), cfg, "embedded")
+    f16 = {name: gguf.GGMLQuantizationType.F16 for name, arr in tensors
+           if arr.ndim >= 2 and not name.endswith("norm.weight") and "token_embd" not in name}
+    assert any("exps" in name for name in f16)
+    path = tmp_path / "tiny-f16.gguf"
+    tiny._write_gguf(path, cfg, tiny.build_vocab(cfg), tensors, with_nextn=True, seed=0, variant="embedded",
+                     file_type=gguf.LlamaFileType.MOSTLY_F16, tensor_types=f16)
+    tiles = _child(F16_LOGITS, str(path))
+    loops = _child(F16_LOGITS, str(path), GGML_CPU_F16_TILES="0")
+    assert tiles == loops
