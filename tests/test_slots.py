@@ -301,6 +301,49 @@ def test_prompts_that_arrive_together_start_together(n_batch):
     assert got == [c.tokens for c in _alone(default_model_path(), PROMPTS[:4], n_predict=8, mode="none")]
 
 
+@pytest.mark.parametrize("gather_s", [0.5, 0.0])
+def test_the_server_worker_starts_requests_sent_together_together(gather_s):
+    """The server's scheduler, idle, waits a moment after a request for the ones sent
+    with it (clients' threads, an agent's parallel calls reach it a few ms apart), so
+    their prompts share decodes from the first step; without the wait, the second
+    started after the first one's prefill had begun."""
+    import asyncio
+    import time
+
+    from stepmtp.models import default_model_path
+    from stepmtp.server.worker import Channel, GenRequest, Job, Worker
+
+    with Engine(default_model_path(), n_ctx=4 * 512, n_parallel=4, mode="none") as eng:
+        steps = [0]
+        step = eng.step
+
+        def counting_step():
+            steps[0] += 1
+            step()
+
+        eng.step = counting_step
+        started: list[int] = []
+        worker = Worker(eng, on_start=lambda job: started.append(steps[0]))
+        worker.GATHER_S = gather_s
+        loop = asyncio.new_event_loop()
+        try:
+            jobs = [Job(GenRequest(eng.tokenize(p), 48, [], SamplingParams(temperature=0), False), Channel(loop))
+                    for p in PROMPTS[:2]]
+            t0 = time.perf_counter()
+            worker.submit(jobs[0])
+            time.sleep(0.05)
+            worker.submit(jobs[1])
+            while len(started) < 2 and time.perf_counter() - t0 < 30:
+                time.sleep(0.005)
+            if gather_s:
+                assert started == [0, 0]
+            else:
+                assert started[0] == 0 and started[1] > 0
+        finally:
+            worker.stop()
+            loop.close()
+
+
 def test_prompt_chunks_share_a_decode_and_keep_their_text():
     """Four prompts queued together: their long chunks (64+ rows each: llama.cpp's gemm
     and attention tiles alone or together) go in one decode, then their 4-token tails

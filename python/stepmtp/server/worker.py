@@ -143,6 +143,9 @@ class Worker:
     worker thread after every job that started (metrics hook).
     """
 
+    #: how long an idle engine waits for more requests after one arrives (seconds)
+    GATHER_S = 0.005
+
     def __init__(self, engine: Engine, on_done: Callable[..., None] | None = None,
                  on_start: Callable[[Job], None] | None = None) -> None:
         self.engine = engine
@@ -211,6 +214,11 @@ class Worker:
                 job = self._jobs.get(block=not self._active)
             except queue.Empty:
                 job = False  # type: ignore[assignment]
+            # an idle engine waits a moment for the requests sent with this one (an
+            # agent's parallel calls, a batch of clients): their prompts then share
+            # decodes from the first, where the first prompt went alone otherwise and the
+            # others waited for it (four prompts sent at once: ~15% longer to prefill)
+            gather_until = time.perf_counter() + self.GATHER_S if not self._active and job else 0.0
             while job is not False:
                 if job is None:
                     self._cancel_active()
@@ -219,7 +227,13 @@ class Worker:
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
-                    break
+                    left = gather_until - time.perf_counter()
+                    if left <= 0:
+                        break
+                    try:
+                        job = self._jobs.get(timeout=left)
+                    except queue.Empty:
+                        break
             for job, req in list(self._active.values()):
                 if job.cancelled.is_set() and not req.done:
                     eng.cancel(req)
