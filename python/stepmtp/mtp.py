@@ -1136,7 +1136,12 @@ class MTPDriver:
             k = i if self.spec.mode == "chain" else 0
             d = self.drafts[k]
             head_step = self.spec.mode == "chain" or i == 0
-            behind = head_step and any(s.pos - s.kv_valid[k] > 2 * (self.n_draft + 1) for s in active)
+            # a head that drafted last round has the rows it accepted to take in (at most
+            # n_draft); one that sat out rounds (a shorter plan) takes theirs in too, and
+            # a step timed then costed the deeper plans by what switching to them cost
+            # once: steps 2 and 3 were timed at twice step 1 (they cost the same), and
+            # the plan drafted 1 where 3 paid (four clients at temperature 0)
+            behind = head_step and any(s.pos - s.kv_valid[k] > self.n_draft for s in active)
             if head_step:
                 for s in active:
                     # rows [kv_valid[k], r]: anchored; the last one is id_last@r with pending_h
