@@ -141,7 +141,8 @@ class _Timings:
 class RoundCosts:
     """What a round costs on this engine, by what it carries (see the module): the
     verify part by its rows, each draft step by its depth. Shared by every sequence
-    and every request of an engine: the machine's and the model's, not the text's.
+    and every request of an engine (one table per number of sequences in a round,
+    ``DraftPlanner.costs_for``): the machine's and the model's, not the text's.
 
     Costs are kept in the machine's units of the moment, not in seconds: a shared
     machine's speed drifts (10-40% within minutes on a 2-core VM), and the row count
@@ -171,6 +172,7 @@ class RoundCosts:
     def __init__(self, n_draft: int) -> None:
         self.n_draft = n_draft
         self.rounds = 0
+        self.explored = 0  # rounds drafted to time the draft steps (a table's first rounds)
         self.verify_t = _Timings()
         self.step_t = _Timings()
         self.catch_up_t = _Timings()  # a row's share of a head's catching up (key 0)
@@ -418,7 +420,11 @@ class DraftPlanner:
     def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64,
                  costs: RoundCosts | None = None) -> None:
         self.n_draft = n_draft
+        #: what rounds cost, one table per number of sequences in a round (``costs_for``);
+        #: ``costs`` is the table of the round being planned
         self.costs = costs or RoundCosts(n_draft)
+        self._tables: dict[int, RoundCosts] = {}
+        self._rounds = 0
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
         self.gap = probe_every
@@ -427,12 +433,24 @@ class DraftPlanner:
         self._probe_again: tuple[int, int] | None = None  # a probe to repeat next round
         self._records: dict[tuple[float, bool], _EngineRecord] = {}
         self._last: tuple[int, int] | None = None  # (sequences, rows) of the last plan
-        self._explored = 0  # rounds drafted to time the draft steps (an engine's first rounds)
         self._probing = False  # this round's plan is a probe
 
     @property
     def rounds(self) -> int:
-        return self.costs.rounds
+        return self._rounds
+
+    def costs_for(self, n_seqs: int) -> RoundCosts:
+        """The cost table of rounds of ``n_seqs`` sequences. One table for all (rows as
+        the key) took the costs one load had taught for another's: after one client's
+        rounds (a 4-row verify: one sequence's id_last and 3 drafts), four clients' plain
+        4-row rounds set the speed the 8- and 16-row verifies were costed by, and those
+        came out at twice what they took: four clients at temperature 0 drafted in 1
+        round of 5 (bench model, in-process, the matrix's order of cells). Each table
+        explores and probes on its own."""
+        c = self._tables.get(n_seqs)
+        if c is None:
+            c = self._tables[n_seqs] = self.costs if not self._tables else RoundCosts(self.n_draft)
+        return c
 
     def record_for(self, key: tuple[float, bool]) -> _EngineRecord:
         r = self._records.get(key)
@@ -447,6 +465,8 @@ class DraftPlanner:
 
     def plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
         """Draft lengths for this round's sequences (``caps``: the most each may draft)."""
+        self._rounds += 1
+        self.costs = self.costs_for(len(seqs))
         self.costs.rounds += 1
         for p in seqs:
             p.rounds += 1
@@ -475,8 +495,8 @@ class DraftPlanner:
         """Before the costs are known: every sequence drafts the most until each draft
         step was timed (a shape's first round is not, nor one where a head first
         caught up on a prompt), then none until a second row count was."""
-        if len(self.costs.step_t.t) < self.n_draft and self._explored < self.EXPLORE_DRAFTING:
-            self._explored += 1
+        if len(self.costs.step_t.t) < self.n_draft and self.costs.explored < self.EXPLORE_DRAFTING:
+            self.costs.explored += 1
             n = self.n_draft
         else:
             n = 0
@@ -584,7 +604,7 @@ class DraftPlanner:
         if not cands:
             return chosen
         T = self.costs.verify_t
-        r = min(cands, key=lambda x: T.weight(x, self.rounds))
+        r = min(cands, key=lambda x: T.weight(x, self.costs.rounds))
         self._probe = r
         return max((k for k in options if k[1] == r), key=lambda k: options[k][0])
 
