@@ -420,10 +420,10 @@ class DraftPlanner:
     def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64,
                  costs: RoundCosts | None = None) -> None:
         self.n_draft = n_draft
-        #: what rounds cost, one table per number of sequences in a round (``costs_for``);
-        #: ``costs`` is the table of the round being planned
+        #: what rounds cost, one table per number of sequences in a round and whether they
+        #: sample (``costs_for``); ``costs`` is the table of the round being planned
         self.costs = costs or RoundCosts(n_draft)
-        self._tables: dict[int, RoundCosts] = {}
+        self._tables: dict[tuple[int, bool], RoundCosts] = {}
         self._rounds = 0
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
@@ -439,17 +439,23 @@ class DraftPlanner:
     def rounds(self) -> int:
         return self._rounds
 
-    def costs_for(self, n_seqs: int) -> RoundCosts:
-        """The cost table of rounds of ``n_seqs`` sequences. One table for all (rows as
-        the key) took the costs one load had taught for another's: after one client's
-        rounds (a 4-row verify: one sequence's id_last and 3 drafts), four clients' plain
-        4-row rounds set the speed the 8- and 16-row verifies were costed by, and those
-        came out at twice what they took: four clients at temperature 0 drafted in 1
-        round of 5 (bench model, in-process, the matrix's order of cells). Each table
-        explores and probes on its own."""
-        c = self._tables.get(n_seqs)
+    def costs_for(self, n_seqs: int, sampled: bool = False) -> RoundCosts:
+        """The cost table of rounds of ``n_seqs`` sequences, ``sampled`` when one of them
+        samples (temperature above 0). One table for all (rows as the key) took the costs
+        one load had taught for another's: after one client's rounds (a 4-row verify: one
+        sequence's id_last and 3 drafts), four clients' plain 4-row rounds set the speed
+        the 8- and 16-row verifies were costed by, and those came out at twice what they
+        took: four clients at temperature 0 drafted in 1 round of 5 (bench model,
+        in-process, the matrix's order of cells). A sampled draft costs more than a
+        greedy one besides its row: the heads' and the target's distributions over the
+        whole vocabulary, drawn from and compared (rejection sampling), ~1 ms a draft
+        against ~6 ms for the row itself on the bench model; costed by greedy rounds, a
+        client at temperature 1 drafted where it lost. Each table explores and probes on
+        its own."""
+        key = (n_seqs, sampled)
+        c = self._tables.get(key)
         if c is None:
-            c = self._tables[n_seqs] = self.costs if not self._tables else RoundCosts(self.n_draft)
+            c = self._tables[key] = self.costs if not self._tables else RoundCosts(self.n_draft)
         return c
 
     def record_for(self, key: tuple[float, bool]) -> _EngineRecord:
@@ -466,7 +472,7 @@ class DraftPlanner:
     def plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
         """Draft lengths for this round's sequences (``caps``: the most each may draft)."""
         self._rounds += 1
-        self.costs = self.costs_for(len(seqs))
+        self.costs = self.costs_for(len(seqs), any(p.key[0] > 0 for p in seqs))
         self.costs.rounds += 1
         for p in seqs:
             p.rounds += 1
