@@ -144,3 +144,19 @@ def test_new_samplers_are_not_biased_by_rejection_verification(tmp_path_factory)
     samp = dict(temperature=20.0, top_k=4, top_p=1.0, min_p=0.0, typical_p=0.99, dynatemp_range=5.0,
                 xtc_probability=0.5, xtc_threshold=0.2, samplers=("top_k", "temperature", "typ_p", "xtc"))
     assert speculation_samples_as_plain(path, samp, "rejection") > 100
+
+
+def test_a_draw_is_the_whole_rows_draw():
+    """Sampler.draw sums a row's nonzero entries alone: the same index as the cumulative
+    sum over the whole row (zeros included) for the same random number, every time."""
+    rng = np.random.default_rng(3)
+    s, ref = Sampler(SamplingParams(seed=11)), Sampler(SamplingParams(seed=11))
+    for trial in range(300):
+        row = np.zeros(5000)
+        ids = rng.choice(5000, size=int(rng.integers(1, 60)), replace=False)
+        row[ids] = rng.random(len(ids)) ** 3  # some tiny, as a sampler's tail
+        if trial % 50 == 0:
+            row[:] = 0.0  # nothing left: the last index, as a cumulative sum would say
+        c = np.cumsum(row)
+        want = int(min(np.searchsorted(c, ref.rng.random() * c[-1], side="right"), len(c) - 1))
+        assert s.draw(row) == want
