@@ -177,15 +177,10 @@ def test_the_server_flag(tiny, tmp_path):
         assert body["content"] == eng.generate("def f(x):\n", n_predict=32, temperature=0).text
 
 
-def test_f16_weights_rows_at_once_are_one_row_decodes(tmp_path):
-    """Patch 0016: F16 weights multiply a decode's few rows by tiles (each loaded weight
-    vector serving several rows), each pair summed as a one-row product sums it. The tiny
-    model with every matrix F16, the experts too: rows decoded 2, 3, 4, 5, 8 and 16 at a
-    time (tiles of 2 and 4 rows and what is left) are bit for bit the rows decoded one at
-    a time, and a wrong row stride, tile or leftover would part them."""
+def _f16_tiny(tmp_path):
+    """The tiny model with every matrix F16, the experts too (patch 0016's tiles)."""
     import gguf
 
-    from stepmtp import Model
     from stepmtp.tiny import CONFIG, _select, _write_gguf, build_vocab, make_tensors
 
     tensors = _select(make_tensors(CONFIG, 0), CONFIG, "embedded")
@@ -194,7 +189,18 @@ def test_f16_weights_rows_at_once_are_one_row_decodes(tmp_path):
     path = tmp_path / "tiny-f16.gguf"
     _write_gguf(path, CONFIG, build_vocab(CONFIG), tensors, with_nextn=True, seed=0, variant="embedded",
                 file_type=gguf.LlamaFileType.MOSTLY_F16, tensor_types=types)
-    m = Model(path)
+    return path
+
+
+def test_f16_weights_rows_at_once_are_one_row_decodes(tmp_path):
+    """Patch 0016: F16 weights multiply a decode's few rows by tiles (each loaded weight
+    vector serving several rows), each pair summed as a one-row product sums it. The tiny
+    model with every matrix F16, the experts too: rows decoded 2, 3, 4, 5, 8 and 16 at a
+    time (tiles of 2 and 4 rows and what is left) are bit for bit the rows decoded one at
+    a time, and a wrong row stride, tile or leftover would part them."""
+    from stepmtp import Model
+
+    m = Model(_f16_tiny(tmp_path))
     try:
         toks = (m.tokenize("import os\nimport sys\n\ndef main(argv):\n", add_special=False) * 8)[:48]
         start, n = 16, 16
@@ -244,18 +250,7 @@ def test_f16_tiles_change_no_bit(tmp_path):
     of a decode's rows and an expert's rows of any batch (a prompt's too); every pair must
     keep the sum of ggml_vec_dot_f16, the one-pair loop (GGML_CPU_F16_TILES=0): the tiny
     model with every matrix F16, its logits compared bit for bit."""
-    import gguf
-
-    from stepmtp import tiny
-
-    cfg = tiny.CONFIG
-    tensors = tiny._select(tiny.make_tensors(cfg, 0), cfg, "embedded")
-    f16 = {name: gguf.GGMLQuantizationType.F16 for name, arr in tensors
-           if arr.ndim >= 2 and not name.endswith("norm.weight") and "token_embd" not in name}
-    assert any("exps" in name for name in f16)
-    path = tmp_path / "tiny-f16.gguf"
-    tiny._write_gguf(path, cfg, tiny.build_vocab(cfg), tensors, with_nextn=True, seed=0, variant="embedded",
-                     file_type=gguf.LlamaFileType.MOSTLY_F16, tensor_types=f16)
+    path = _f16_tiny(tmp_path)
     tiles = _child(F16_LOGITS, str(path))
     loops = _child(F16_LOGITS, str(path), GGML_CPU_F16_TILES="0")
     assert tiles == loops

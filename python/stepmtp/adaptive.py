@@ -417,13 +417,13 @@ class DraftPlanner:
     #: 224 at 0.985 ± 0.023, at 1.2 236 at 0.982 ± 0.020 (paired, in turns, bench model)
     NO_DRAFT_EDGE_SAMPLED = 1.12
 
-    def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64,
-                 costs: RoundCosts | None = None) -> None:
+    def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64) -> None:
         self.n_draft = n_draft
-        #: what rounds cost, one table per number of sequences in a round and whether they
-        #: sample (``costs_for``); ``costs`` is the table of the round being planned
-        self.costs = costs or RoundCosts(n_draft)
+        #: what rounds cost, one table per number of sequences in a round and whether one
+        #: of them samples (``costs_for``)
         self._tables: dict[tuple[int, bool], RoundCosts] = {}
+        #: the table of the round being planned
+        self.costs = self.costs_for(1)
         self._rounds = 0
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
@@ -455,7 +455,7 @@ class DraftPlanner:
         key = (n_seqs, sampled)
         c = self._tables.get(key)
         if c is None:
-            c = self._tables[key] = self.costs if not self._tables else RoundCosts(self.n_draft)
+            c = self._tables[key] = RoundCosts(self.n_draft)
         return c
 
     def record_for(self, key: tuple[float, bool]) -> _EngineRecord:
