@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from stepmtp.adaptive import DraftPlanner, RoundCosts, regime
+from stepmtp.adaptive import ConfidenceRecord, DraftPlanner, RoundCosts, regime
 
 # a CPU's costs on the bench model (x a 1-row decode): verify rows cost, heads are cheap
 CPU = {1: 1.0, 2: 1.61, 3: 2.06, 4: 2.52}
@@ -355,3 +355,42 @@ def test_sampling_sequences_draft_only_for_a_larger_gain():
 
     greedy, sampled = drafting(regime(True, 0.0)), drafting(regime(False, 1.0, True))
     assert greedy > 0.75 and sampled < 0.5, (greedy, sampled)  # 0.91 and 0.30 (both 0.91 at one edge)
+
+
+def test_the_heads_confidence_moves_a_drafts_odds_by_its_bin():
+    rec = ConfidenceRecord(3)
+    rng = random.Random(0)
+    for _ in range(400):
+        rec.add(0, 0.15, rng.random() < 0.4)
+        rec.add(0, 0.95, rng.random() < 0.98)
+    assert rec.odds(0, 0.12) < -0.5 and rec.odds(0, 0.93) > 0.5
+    assert rec.odds(0, 0.6) == pytest.approx(0.0)  # a bin never drafted: the depth's mean
+    assert rec.odds(1, 0.15) == pytest.approx(0.0)  # nor is another depth's record moved
+
+
+def _gated_round(verify, confident: bool, gate: bool = True):
+    """A planner that learnt the CPU's (or another machine's) costs and that its heads'
+    unsure drafts (confidence 0.15) are accepted 0.3 of the time, their sure ones
+    (0.95) 0.97; one round's plan and the gate's decision at depth 0."""
+    p = DraftPlanner(3)
+    simulate(p, [T0], 300, verify=verify)
+    pol = p.policy(regime(True, 0.0))
+    rec = p.record_for(regime(True, 0.0)).confidence
+    rng = random.Random(1)
+    for _ in range(300):
+        rec.add(0, 0.15, rng.random() < 0.3)
+        rec.add(0, 0.95, rng.random() < 0.97)
+    p.gate = gate
+    n = p.plan([pol], [3])[0]
+    return n, pol.keep(0, 0.95 if confident else 0.15, n)
+
+
+def test_a_draft_its_head_was_unsure_of_is_not_verified_where_rows_cost():
+    n, kept = _gated_round(cpu_verify, confident=False)
+    assert n == 3 and not kept  # planned at the mean, 0.87; this one is a coin of 0.3
+    assert _gated_round(cpu_verify, confident=True) == (3, True)
+    assert _gated_round(cpu_verify, confident=False, gate=False) == (3, True)
+
+
+def test_where_rows_are_nearly_free_unsure_drafts_are_verified_too():
+    assert _gated_round(lambda rows: 1.0 + 0.01 * rows, confident=False) == (3, True)

@@ -212,11 +212,11 @@ def test_gate_fails_with_shifted_drafts(agree, prompts, baseline, monkeypatch):
     """A broken driver: every draft token is off by one."""
     from stepmtp.mtp import MTPDriver
 
-    pick = MTPDriver._pick  # (token, probability, hidden row) of the last draft decode
+    pick = MTPDriver._pick  # (token, probability, hidden row, confidence) of the last draft decode
 
     def shifted(self, *a, **k):
-        tok, p, h = pick(self, *a, **k)
-        return (tok + 1) % 500, p, h
+        tok, p, h, conf = pick(self, *a, **k)
+        return (tok + 1) % 500, p, h, conf
 
     monkeypatch.setattr(MTPDriver, "_pick", shifted)
     rep = G.check(bench(agree, prompts, "none,chain-3", repeat=1), baseline)

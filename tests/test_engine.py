@@ -480,6 +480,7 @@ def _random_plans(monkeypatch, seed: int = 0):
     plan = DraftPlanner.plan
 
     def random_plan(self, seqs, caps):
+        self.gate = False  # the lengths drawn are the lengths drafted
         plan(self, seqs, caps)
         return [rng.randint(0, c) for c in caps]
 
@@ -499,6 +500,64 @@ def test_any_draft_lengths_give_the_greedy_text(tiny, greedy_reference, monkeypa
         out = eng.generate(PROMPT, n_predict=N, temperature=0)
     assert out.tokens == greedy_reference.tokens
     assert len([n for n in out.stats.rounds_by_length if n]) >= 3  # the lengths did vary
+
+
+def _gate_on_confidence(monkeypatch, threshold: float) -> list[bool]:
+    """Every draft of a round drafting the most goes to the verify only when its head's
+    confidence is above ``threshold`` (the gate's decision, made by hand); the
+    decisions, in order."""
+    from stepmtp.adaptive import DraftPlanner, SeqPolicy
+
+    decisions: list[bool] = []
+    monkeypatch.setattr(DraftPlanner, "plan", lambda self, seqs, caps: list(caps))
+
+    def keep(self, depth, confidence, n_plan):
+        decisions.append(confidence > threshold)
+        return decisions[-1]
+
+    monkeypatch.setattr(SeqPolicy, "keep", keep)
+    return decisions
+
+
+def test_drafts_kept_out_by_their_heads_confidence_leave_the_greedy_text(tiny, greedy_reference, monkeypatch):
+    """A draft its head was unsure of ends the sequence's drafting for the round
+    (``SeqPolicy.keep``); the text is plain decoding's, the invariant holds."""
+    decisions = _gate_on_confidence(monkeypatch, 0.6)
+    with Engine(tiny["embedded"], mode="chain", n_max=3, n_ctx=512, debug=True) as eng:
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    assert out.tokens == greedy_reference.tokens
+    assert decisions.count(False) > 5 and decisions.count(True) > 5  # the gate did both
+
+
+def test_gating_on_the_heads_confidence_keeps_the_target_distribution(tmp_path_factory, monkeypatch):
+    """At temperature > 0 whether a draft is verified may depend on the distribution it
+    was drawn from (its largest probability), not on the token drawn: the tokens are
+    still the target's distribution's (chi-square against plain sampling)."""
+    from stepmtp.tiny import write_agree_model
+
+    decisions = _gate_on_confidence(monkeypatch, 0.79)  # about the median there
+    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+    assert speculation_samples_as_plain(path, AGREE_HOT, "rejection", adaptive=True) > 80
+    assert decisions.count(False) > 100 and decisions.count(True) > 100
+
+
+def test_gating_on_the_token_drawn_biases_the_tokens(tmp_path_factory, monkeypatch):
+    """The check above can fail: a gate on the drawn token's probability (drafts of
+    unlikely tokens never verified) biases the tokens, and the same test says so."""
+    import stepmtp.mtp as M
+    from stepmtp.tiny import write_agree_model
+
+    pick = M.MTPDriver._pick
+
+    def drawn_pick(self, d, s, i):
+        tok, p, h, _ = pick(self, d, s, i)
+        return tok, p, h, p  # the drawn token's own probability
+
+    monkeypatch.setattr(M.MTPDriver, "_pick", drawn_pick)
+    decisions = _gate_on_confidence(monkeypatch, 0.4)
+    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+    p, accepted = joint_counts_p(path, AGREE_HOT, "rejection", adaptive=True)
+    assert decisions.count(False) > 100 and p < 1e-3, p
 
 
 def test_plain_rounds_are_timed_while_the_heads_fall_behind(tiny, monkeypatch):

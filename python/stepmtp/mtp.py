@@ -1244,9 +1244,11 @@ class MTPDriver:
     def _take_draft(self, d: Context, s: SeqState, i: int) -> None:
         """Take draft token i from the sequence's output row of the last draft
         decode, unless it is below p_min (which ends the sequence's drafting)."""
-        tok, p, h = self._pick(d, s, i)
+        tok, p, h, conf = self._pick(d, s, i)
         if p < self.spec.p_min:
             return
+        if s.policy is not None and not s.policy.keep(i, conf, s.n_plan):
+            return  # too unsure a draft to pay for its row: drafting stops here
         c = s.constraint
         if c is not None and s.mask_drafts:
             if not c.allowed(tok):  # nothing allowed (the grammar is over): stop drafting
@@ -1256,9 +1258,10 @@ class MTPDriver:
         s.drafts.append(tok)
         s.chain_h[i] = h
 
-    def _pick(self, d: Context, s: SeqState, i: int) -> tuple[int, float, np.ndarray]:
+    def _pick(self, d: Context, s: SeqState, i: int) -> tuple[int, float, np.ndarray, float]:
         """Draft token i from the last decode (on head context ``d``), its
-        probability, and its hidden row."""
+        probability, its hidden row, and how sure the head was (the largest
+        probability of what it drafted from; 1.0 when no plan gates on it)."""
         t0 = time.perf_counter()
         logits = d.logits(s.row)
         h = d.nextn_ith(s.row)
@@ -1283,12 +1286,19 @@ class MTPDriver:
                 s.q0[i] = s.sampler.dense(logits, s.tokens, s.drafts)
                 s.shaper.shape(s.q0[i], i, q)
             tok = s.sampler.draw(q)
-            return tok, float(q[tok]), h
+            # of the head's own distribution, not of the draw: the gate keeps the output
+            # exact only if the drawn token has no say in whether it is verified
+            conf = float((s.q[i] if s.shaper is None else s.q0[i]).max()) if s.policy is not None else 1.0
+            return tok, float(q[tok]), h, conf
         if self._need_p:
             tok, p = draft_pick(logits)
         else:  # p_min 0 and no trace: the probability is never looked at
             tok, p = int(np.argmax(logits)), 1.0
-        return tok, p, h
+        conf = 1.0
+        if s.policy is not None:
+            # the softmax's largest entry, the argmax's (8k entries: ~20 us)
+            conf = float(1.0 / np.exp(logits - logits[tok]).sum()) if np.isfinite(logits[tok]) else 0.0
+        return tok, p, h, conf
 
     def _log_h(self, s: SeqState, p0: int, h: np.ndarray) -> None:
         if s.h_log is not None:
