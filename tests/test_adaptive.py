@@ -394,3 +394,17 @@ def test_a_draft_its_head_was_unsure_of_is_not_verified_where_rows_cost():
 
 def test_where_rows_are_nearly_free_unsure_drafts_are_verified_too():
     assert _gated_round(lambda rows: 1.0 + 0.01 * rows, confident=False) == (3, True)
+
+
+def test_a_sampling_sequence_whose_drafts_are_gated_does_not_hold_on():
+    """As above, at temperature 1 with the gate on: a start of drafting is not held on
+    for four rounds (what drafting lost there was mostly such held rounds); with the
+    gate off it is."""
+    for gate, held in ((True, False), (False, True)):
+        p = DraftPlanner(1, probe_every=10**6)
+        p.gate = gate
+        plans = [x[0] for x in simulate(p, lambda r: [(0.95,)] if r < 50 else [(0.0,)], 6000,
+                                        keys=[regime(False, 1.0, True)])]
+        starts = [i for i in range(60, len(plans) - 4) if plans[i] and not plans[i - 1]]
+        assert starts
+        assert all(plans[i : i + 4] == [1, 1, 1, 1] for i in starts) == held
