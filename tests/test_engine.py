@@ -560,6 +560,77 @@ def test_gating_on_the_token_drawn_biases_the_tokens(tmp_path_factory, monkeypat
     assert decisions.count(False) > 100 and p < 1e-3, p
 
 
+def _drafts_seen(monkeypatch) -> list[int]:
+    import stepmtp.mtp as M
+
+    seen: list[int] = []
+    pick = M.MTPDriver._pick
+
+    def spy(self, d, s, i):
+        out = pick(self, d, s, i)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(M.MTPDriver, "_pick", spy)
+    return seen
+
+
+def test_a_draft_vocabulary_drafts_among_its_ids_and_keeps_the_greedy_text(tmp_path_factory, monkeypatch):
+    """The heads' logits from their LM head's first rows alone (patch 0017): every draft
+    is one of those ids, those the target emits are accepted, the text is plain
+    decoding's (the agree model, whose heads predict its target)."""
+    import stepmtp.mtp as M
+    from stepmtp.adaptive import DraftPlanner
+    from stepmtp.tiny import write_agree_model
+
+    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+    with Engine(path, mode="none", n_ctx=512) as eng:
+        plain = eng.generate(PROMPT, n_predict=N, temperature=0)
+    monkeypatch.setattr(DraftPlanner, "plan", lambda self, seqs, caps: list(caps))
+    monkeypatch.setattr(M.MTPDriver, "DRAFT_VOCAB_WINDOW", 10**9)
+    seen = _drafts_seen(monkeypatch)
+    ids = sorted(set(plain.tokens))
+    cut = ids[len(ids) // 2] + 1  # about half the text's tokens can be drafted
+    with Engine(path, mode="chain", n_ctx=512, draft_vocab=cut, debug=True) as eng:
+        assert eng.driver.draft_vocab == cut
+        out = eng.generate(PROMPT, n_predict=N, temperature=0)
+    with Engine(path, mode="chain", n_ctx=512, draft_vocab=0) as eng:
+        assert eng.driver.draft_vocab == 0
+        whole = eng.generate(PROMPT, n_predict=N, temperature=0)
+    assert out.tokens == plain.tokens == whole.tokens
+    assert len(seen) > 20 and max(seen[: out.stats.n_drafted]) < cut
+    assert 5 < out.stats.n_accepted < whole.stats.n_accepted
+
+
+def test_a_draft_vocabulary_missing_the_targets_tokens_widens(tiny, monkeypatch):
+    """Where more than 1% of the target's tokens are beyond the draft vocabulary, it
+    doubles, up to the whole vocabulary."""
+    import stepmtp.mtp as M
+
+    monkeypatch.setattr(M.MTPDriver, "DRAFT_VOCAB_WINDOW", 4)
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512, draft_vocab=8) as eng:
+        eng.generate(PROMPT, n_predict=N, temperature=0)
+        assert eng.driver.draft_vocab == 0  # 8 -> 16 -> .. -> 256 -> all 512
+
+
+def test_a_draft_vocabulary_keeps_the_target_distribution(tmp_path_factory, monkeypatch):
+    """Rejection sampling with drafts drawn among fewer ids than the target samples:
+    the tokens are still the target's distribution's (chi-square against plain
+    sampling), some drafts accepted."""
+    import stepmtp.mtp as M
+    from stepmtp.tiny import write_agree_model
+
+    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+    with Engine(path, mode="none", n_ctx=256) as eng:
+        ids = sorted(set(eng.generate(eng.tokenize("def f"), n_predict=3, seed=s, **AGREE_HOT).tokens[0]
+                         for s in range(40)))
+    cut = ids[len(ids) // 2]  # about half the first tokens cannot be drafted
+    monkeypatch.setattr(M.MTPDriver, "DRAFT_VOCAB_WINDOW", 10**9)  # nor is it widened
+    seen = _drafts_seen(monkeypatch)
+    assert speculation_samples_as_plain(path, AGREE_HOT, "rejection", draft_vocab=cut) > 10
+    assert seen and max(seen) < cut
+
+
 def test_plain_rounds_are_timed_while_the_heads_fall_behind(tiny, monkeypatch):
     """A plain round catches no head up, so it is always timed, however far behind the
     heads are (once it was not: a sequence that still had to time a plain round stayed

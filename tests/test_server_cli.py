@@ -43,6 +43,7 @@ def test_help_lists_the_flags():
     (["--spec-type", "magic"], "unknown speculative"),
     (["--spec-mtp-mode", "tree"], "--spec-mtp-mode"),
     (["--spec-draft-p-min", "2"], "p-min"),
+    (["--spec-draft-vocab", "-5"], "--spec-draft-vocab"),
     (["-m", "/nonexistent/model.gguf"], "not found"),
     (["-fa", "maybe"], "on, off or auto"),
     (["--draft-max", "3"], "--draft-max"),  # removed in llama-server too
@@ -228,3 +229,8 @@ def test_503_while_loading_then_ready(tmp_path):
         assert c.get("/health").json() == {"status": "ok"}
         body = c.post("/completion", json={"prompt": PROMPT, "n_predict": 8, "temperature": 0}).json()
         assert body["tokens_predicted"] == 8
+
+
+def test_the_draft_vocabulary_flag_reaches_the_engine_config():
+    assert parse_args(["--spec-type", "draft-mtp"]).draft_vocab == -1
+    assert parse_args(["--spec-type", "draft-mtp", "--spec-draft-vocab", "1024"]).draft_vocab == 1024

@@ -34,8 +34,8 @@ class Engine:
         model: the target GGUF (trunk, with the MTP blocks embedded or not).
         mtp_model: a separate MTP-only GGUF with the heads (llama-server's
             ``--spec-draft-model``); by default the heads come from ``model``.
-        mode, n_max, n_min, p_min, schedule, verify, adaptive: speculation (see
-            ``SpecConfig``); or pass ``spec``.
+        mode, n_max, n_min, p_min, schedule, verify, adaptive, draft_vocab: speculation
+            (see ``SpecConfig``); or pass ``spec``.
         n_ctx: context size (0: the model's). n_batch, n_ubatch: as ``-b``/``-ub``.
         n_threads, n_threads_batch: CPU threads (default: all this process may use).
         n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all; default
@@ -107,6 +107,7 @@ class Engine:
         schedule: Schedule = "fused",
         verify: Verify = "auto",
         adaptive: bool = True,
+        draft_vocab: int = -1,
         spec: SpecConfig | None = None,
         n_ctx: int = 4096,
         n_batch: int = 2048,
@@ -147,7 +148,7 @@ class Engine:
         debug: bool = False,
     ) -> None:
         self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule,
-                                       verify=verify, adaptive=adaptive)
+                                       verify=verify, adaptive=adaptive, draft_vocab=draft_vocab)
         self.seed = seed
         if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
             raise ValueError(f"n_parallel must be a positive integer, not {n_parallel!r}")

@@ -722,6 +722,12 @@ class Context(_Closing):
         lib.llama_mtp_set_batch_invariant(self.ptr, max_rows)
         self._batch_invariant = max_rows
 
+    def set_draft_vocab(self, n: int) -> int:
+        """An MTP context's logits from its LM head's first ``n`` rows alone (patch
+        0017; 0: the whole head); each row keeps n_vocab entries, those from the value
+        returned (the one in use) on at 0."""
+        return int(lib.llama_mtp_set_draft_vocab(self.ptr, int(n)))
+
     # -- KV cache -------------------------------------------------------------
 
     def memory(self) -> dict[str, int]:

@@ -69,6 +69,7 @@ text at temperature 0.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -82,6 +83,8 @@ from .llama import Batch, Context, KVFullError, LlamaError, cpu_only
 from .prompt_cache import Checkpoint, HostPromptCache, SlotState, heads_path, read_heads, write_heads
 from .sampling import DraftShaper, Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
 from .stats import GenStats
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .grammar import ConstraintState
@@ -115,6 +118,11 @@ class SpecConfig:
         settings and what rounds cost on this machine (``adaptive.DraftPlanner``); on by
         default. With n_min >= the draft length, or adaptive off, every round drafts
         the draft length.
+    draft_vocab: the heads draft among the first this many token ids (0: the whole
+        vocabulary; -1, the default: a quarter of it, at least 2048), widened by the
+        driver while more than 1% of the target's tokens fall outside. Their LM head
+        is most of what a draft step reads, and a BPE vocabulary's first ids are its
+        most frequent tokens; drafts are proposals, so only acceptance can change.
     """
 
     mode: Mode = "chain"
@@ -124,6 +132,7 @@ class SpecConfig:
     schedule: Schedule = "fused"
     verify: Verify = "auto"
     adaptive: bool = True
+    draft_vocab: int = -1
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "single", "none"):
@@ -136,6 +145,8 @@ class SpecConfig:
             raise ValueError("n_max and n_min must be >= 0")
         if not 0.0 <= self.p_min <= 1.0:
             raise ValueError("p_min must be in [0, 1]")
+        if self.draft_vocab < -1:
+            raise ValueError("draft_vocab must be -1 (auto), 0 (the whole vocabulary) or a token count")
 
     def draft_length(self, n_heads: int) -> int:
         if self.mode == "none":
@@ -402,6 +413,12 @@ class MTPDriver:
         target.set_nextn(self.speculate, masked=False)
         for d in live:
             d.set_nextn(True, masked=True)
+        n_vocab = target.n_vocab
+        want = spec.draft_vocab if spec.draft_vocab >= 0 else max(self.DRAFT_VOCAB_MIN, n_vocab // 4)
+        #: the heads draft among token ids below this (0: all); ``_widen_draft_vocab``
+        self.draft_vocab = 0
+        self._set_draft_vocab(live, want)
+        self._emitted = self._outside = 0  # the target's tokens, and those not draftable
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
         self._need_p = spec.p_min > 0 or debug
         # the draft length of each sequence, chosen each round (None: always n_draft)
@@ -414,6 +431,34 @@ class MTPDriver:
         self._clock = itertools.count(1)
         #: prompts kept in host memory (cache_ram bytes; None: none kept)
         self.host = HostPromptCache(None if cache_ram < 0 else cache_ram) if cache_ram else None
+
+    # -- the draft vocabulary ------------------------------------------------------
+
+    #: the fewest token ids an automatic draft vocabulary has
+    DRAFT_VOCAB_MIN = 2048
+    #: target tokens seen before the draft vocabulary's coverage is judged, and the
+    #: share of them it may miss
+    DRAFT_VOCAB_WINDOW = 512
+    DRAFT_VOCAB_MISS = 0.01
+
+    def _set_draft_vocab(self, heads: "list[Context]", n: int) -> None:
+        n = 0 if n >= self.target.n_vocab else n
+        for d in heads:
+            n = d.set_draft_vocab(n)
+        self.draft_vocab = n
+
+    def _count_draftable(self, out: list[int]) -> None:
+        """Counts the target's tokens the heads could not have drafted; past the window,
+        a vocabulary missing more than DRAFT_VOCAB_MISS of them doubles (a text in
+        another script than the vocabulary's first ids, say)."""
+        self._emitted += len(out)
+        self._outside += sum(t >= self.draft_vocab for t in out)
+        if self._emitted >= self.DRAFT_VOCAB_WINDOW:
+            if self._outside > self.DRAFT_VOCAB_MISS * self._emitted:
+                self._set_draft_vocab([d for d in self.drafts if d is not None], 2 * self.draft_vocab)
+                log.info("drafting among the first %s token ids (%d of %d of the target's were beyond)",
+                         self.draft_vocab or "all", self._outside, self._emitted)
+            self._emitted = self._outside = 0
 
     # -- timing: what runs inside llama.cpp, so the rest is Python's share ------
 
@@ -1025,6 +1070,8 @@ class MTPDriver:
             if self.fused:
                 # positions r+1 .. r+a+1 (accepted drafts, new id_last) wait for the heads
                 s.anchors.append(out, verify_h[: a + 1])
+        if self.draft_vocab:
+            self._count_draftable(out)
         s.id_last = out[-1]
         s.pos = r + a + 1
         if a < n:
@@ -1264,6 +1311,8 @@ class MTPDriver:
         probability of what it drafted from; 1.0 when no plan gates on it)."""
         t0 = time.perf_counter()
         logits = d.logits(s.row)
+        if self.draft_vocab:
+            logits[self.draft_vocab :] = -np.inf  # the ids the head's logits leave out
         h = d.nextn_ith(s.row)
         dt = (time.perf_counter() - t0) * 1e3
         s.stats.t_llama_ms += dt
@@ -1276,6 +1325,8 @@ class MTPDriver:
             c.fill_bitmask(out=s.draft_bits[i])
             s.n_masked = i + 1
             logits = _masked(s, logits, i)
+        if s.rejection and not np.isfinite(logits.max()):
+            return 0, 0.0, h, 0.0  # nothing the grammar allows among the draft vocabulary
         if s.rejection:
             # drawn from the head's distribution under the request's settings, shaped
             # to be accepted more (DraftShaper); q kept for verification

@@ -11,3 +11,5 @@ float * llama_mtp_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i
 void    llama_mtp_context_memory(const struct llama_context * ctx, size_t * kv, size_t * compute, size_t * output);
 /* patches/0012-batch-invariant-graph.patch */
 void    llama_mtp_set_batch_invariant(struct llama_context * ctx, int32_t max_rows);
+/* patches/0017-mtp-draft-vocab.patch */
+int32_t llama_mtp_set_draft_vocab(struct llama_context * ctx, int32_t n);

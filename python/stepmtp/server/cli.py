@@ -252,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a round drafting fewer than this drafts none (default: 0)")
     add(g, "--spec-draft-p-min", "--draft-p-min", metavar="P", dest="p_min", type=_float, default=0.0,
         env="LLAMA_ARG_SPEC_DRAFT_P_MIN", help="drafting stops at a token less likely than this (default: 0.00)")
+    add(g, "--spec-draft-vocab", metavar="N", dest="draft_vocab", type=_int, default=-1,
+        env="LLAMA_ARG_SPEC_DRAFT_VOCAB",
+        help="the heads draft among the first N token ids, widened while the target's tokens "
+             "fall outside (default: -1, a quarter of the vocabulary, at least 2048; 0: all)")
     add(g, "--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", metavar="N",
         dest="ngl_draft", type=_layers, env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
         help="draft model layers in VRAM: a number, 'auto' or 'all' (default: as -ngl)")
@@ -552,6 +556,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
     check(a.n_max >= 0, f"invalid value for --spec-draft-n-max: {a.n_max}")
     check(a.n_min >= 0, f"invalid value for --spec-draft-n-min: {a.n_min}")
     check(0.0 <= a.p_min <= 1.0, f"--spec-draft-p-min must be in [0, 1], got {a.p_min}")
+    check(a.draft_vocab >= -1, f"--spec-draft-vocab must be -1 (auto), 0 (all) or a token count, got {a.draft_vocab}")
     check(0 <= a.port <= 65535, f"invalid value for --port: {a.port}")
     check(a.n_predict >= -1, f"invalid value for -n/--predict: {a.n_predict}")
     for flag, v in (("-t/--threads", a.threads), ("-tb/--threads-batch", a.threads_batch)):
@@ -619,6 +624,7 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         n_max=a.n_max,
         n_min=a.n_min,
         p_min=a.p_min,
+        draft_vocab=a.draft_vocab,
         n_ctx=a.ctx_size,
         n_batch=a.batch_size,
         n_ubatch=a.ubatch_size,

@@ -41,6 +41,8 @@ class ServerConfig:
     n_max: int = 3
     n_min: int = 0
     p_min: float = 0.0
+    #: --spec-draft-vocab: the heads draft among the first N token ids (-1: auto, 0: all)
+    draft_vocab: int = -1
     #: --spec-schedule: "fused" (process inside the next draft decodes) or "reference"
     schedule: str = "fused"
     #: --spec-verify: "auto" (rejection sampling above temperature 0), "exact", "rejection"
@@ -188,6 +190,7 @@ class ServerConfig:
             n_max=self.n_max,
             n_min=self.n_min,
             p_min=self.p_min,
+            draft_vocab=self.draft_vocab,
             schedule=self.schedule,  # type: ignore[arg-type]
             verify=self.verify,  # type: ignore[arg-type]
             adaptive=self.adaptive,
