@@ -408,3 +408,18 @@ def test_a_sampling_sequence_whose_drafts_are_gated_does_not_hold_on():
         starts = [i for i in range(60, len(plans) - 4) if plans[i] and not plans[i - 1]]
         assert starts
         assert all(plans[i : i + 4] == [1, 1, 1, 1] for i in starts) == held
+
+
+def test_losing_probes_grow_further_apart_where_every_sequence_samples():
+    """Where drafting does not pay, probes back off to every 64 rounds at temperature 0,
+    and to four times that where the sequences sample (and drafts are gated)."""
+    def starts(key, gate=True):
+        p = DraftPlanner(1)
+        p.gate = gate
+        plans = [x[0] for x in simulate(p, [(0.3,)], 6000, keys=[key])]
+        return sum(1 for i in range(1000, len(plans)) if plans[i] and not plans[i - 1])
+
+    greedy, sampled = starts(regime(True, 0.0)), starts(regime(False, 1.0, True))
+    assert 50 < greedy < 100  # ~5000 / 64
+    assert 10 < sampled < 30  # ~5000 / 256
+    assert starts(regime(False, 1.0, True), gate=False) > 50

@@ -521,6 +521,13 @@ class DraftPlanner:
     #: 224 at 0.985 ± 0.023, at 1.2 236 at 0.982 ± 0.020 (paired, in turns, bench model)
     NO_DRAFT_EDGE_SAMPLED = 1.12
 
+    #: where every sequence samples (and drafts are gated), how much further apart
+    #: losing probes may grow: there a probe costs most (a 2-row verify at 1.7-2x a
+    #: 1-row one for a draft accepted ~0.6, after its heads caught up on the rounds
+    #: they sat out) and seldom wins: at temperature 1 on the bench model, one client's
+    #: ~50 probes in 3000 rounds cost ~1.5% of plain decoding's speed
+    SAMPLED_PROBE_STRETCH = 4
+
     def __init__(self, n_draft: int, *, probe_every: int = 16, max_probe_every: int = 64) -> None:
         self.n_draft = n_draft
         #: what rounds cost, one table per number of sequences in a round and whether one
@@ -700,7 +707,10 @@ class DraftPlanner:
                 self._probe_again = chosen
         elif self._probe is not None and not any(p.hold for p in seqs):
             # the first round after a probe (and the drafting it started): did it win?
-            self.gap = self.probe_every if rows == self._probe else min(2 * self.gap, self.max_probe_every)
+            cap = self.max_probe_every
+            if self.gate and all(p.key[0] > 0 for p in seqs):
+                cap *= self.SAMPLED_PROBE_STRETCH
+            self.gap = self.probe_every if rows == self._probe else min(2 * self.gap, cap)
             self._probe = None
         self._last = (N, chosen[1])
         self._accepts = accepts
