@@ -597,6 +597,8 @@ def test_a_draft_vocabulary_drafts_among_its_ids_and_keeps_the_greedy_text(tmp_p
     with Engine(path, mode="chain", n_ctx=512, draft_vocab=0) as eng:
         assert eng.driver.draft_vocab == 0
         whole = eng.generate(PROMPT, n_predict=N, temperature=0)
+    with Engine(path, mode="none", n_ctx=512) as eng:
+        assert eng.driver.draft_vocab == 0  # no heads, no vocabulary of theirs
     assert out.tokens == plain.tokens == whole.tokens
     assert len(seen) > 20 and max(seen[: out.stats.n_drafted]) < cut
     assert 5 < out.stats.n_accepted < whole.stats.n_accepted

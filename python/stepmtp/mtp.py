@@ -417,7 +417,7 @@ class MTPDriver:
         want = spec.draft_vocab if spec.draft_vocab >= 0 else max(self.DRAFT_VOCAB_MIN, n_vocab // 4)
         #: the heads draft among token ids below this (0: all); ``_widen_draft_vocab``
         self.draft_vocab = 0
-        self._set_draft_vocab(live, want)
+        self._set_draft_vocab(live, want if live else 0)  # (plain decoding: nothing to count)
         self._emitted = self._outside = 0  # the target's tokens, and those not draftable
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
         self._need_p = spec.p_min > 0 or debug
