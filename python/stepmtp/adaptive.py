@@ -368,13 +368,18 @@ class SeqPolicy:
                 for a, j in zip(est, self.engine.rec.judged)]
 
     @property
+    def samples(self) -> bool:
+        """Whether the sequence samples (temperature above 0)."""
+        return self.key[0] > 0
+
+    @property
     def holds(self) -> bool:
         """Whether drafting, started again, goes on for HOLD_ROUNDS whatever the rounds
         look like. Not where the sequence samples and its drafts are gated (``keep``):
         at temperature 1 on the bench model the held rounds were most of what drafting
         lost (a draft or two accepted 0.59, verified by a 2-row decode at 1.7-2x a
         1-row one's time)."""
-        return not (self.planner.gate and self.key[0] > 0)
+        return not (self.planner.gate and self.samples)
 
     def keep(self, depth: int, confidence: float, n_plan: int) -> bool:
         """Whether the round's draft at ``depth`` (the ones before it kept), which its
@@ -592,12 +597,12 @@ class DraftPlanner:
     def plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
         """Draft lengths for this round's sequences (``caps``: the most each may draft)."""
         self._rounds += 1
-        self.costs = self.costs_for(len(seqs), any(p.key[0] > 0 for p in seqs))
+        self.costs = self.costs_for(len(seqs), any(p.samples for p in seqs))
         self.costs.rounds += 1
         for p in seqs:
             p.rounds += 1
         self._probing = False
-        self._accepts: list[list[float]] | None = None
+        self._accepts = None
         if not self.costs.known:
             out = self._explore_plan(seqs, caps)
         else:
@@ -647,7 +652,7 @@ class DraftPlanner:
         step_sum = 0.0
         resume = self._resume_costs(seqs)
         # (a round with a greedy sequence in it keeps the greedy edge: its gains count)
-        edge = self.NO_DRAFT_EDGE_SAMPLED if all(p.key[0] > 0 for p in seqs) else self.NO_DRAFT_EDGE
+        edge = self.NO_DRAFT_EDGE_SAMPLED if all(p.samples for p in seqs) else self.NO_DRAFT_EDGE
         for D in range(self.n_draft + 1):
             if D:
                 step_sum += costs.step(D - 1)
@@ -708,7 +713,7 @@ class DraftPlanner:
         elif self._probe is not None and not any(p.hold for p in seqs):
             # the first round after a probe (and the drafting it started): did it win?
             cap = self.max_probe_every
-            if self.gate and all(p.key[0] > 0 for p in seqs):
+            if self.gate and all(p.samples for p in seqs):
                 cap *= self.SAMPLED_PROBE_STRETCH
             self.gap = self.probe_every if rows == self._probe else min(2 * self.gap, cap)
             self._probe = None

@@ -413,11 +413,8 @@ class MTPDriver:
         target.set_nextn(self.speculate, masked=False)
         for d in live:
             d.set_nextn(True, masked=True)
-        n_vocab = target.n_vocab
-        want = spec.draft_vocab if spec.draft_vocab >= 0 else max(self.DRAFT_VOCAB_MIN, n_vocab // 4)
-        #: the heads draft among token ids below this (0: all); ``_widen_draft_vocab``
-        self.draft_vocab = 0
-        self._set_draft_vocab(live, want if live else 0)  # (plain decoding: nothing to count)
+        want = spec.draft_vocab if spec.draft_vocab >= 0 else max(self.DRAFT_VOCAB_MIN, target.n_vocab // 4)
+        self._set_draft_vocab(want if live else 0)  # (plain decoding: nothing to count)
         self._emitted = self._outside = 0  # the target's tokens, and those not draftable
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
         self._need_p = spec.p_min > 0 or debug
@@ -441,10 +438,11 @@ class MTPDriver:
     DRAFT_VOCAB_WINDOW = 512
     DRAFT_VOCAB_MISS = 0.01
 
-    def _set_draft_vocab(self, heads: "list[Context]", n: int) -> None:
+    def _set_draft_vocab(self, n: int) -> None:
         n = 0 if n >= self.target.n_vocab else n
-        for d in heads:
+        for _, d in self._live():
             n = d.set_draft_vocab(n)
+        #: the heads draft among token ids below this (0: all); ``_count_draftable``
         self.draft_vocab = n
 
     def _count_draftable(self, out: list[int]) -> None:
@@ -455,7 +453,7 @@ class MTPDriver:
         self._outside += sum(t >= self.draft_vocab for t in out)
         if self._emitted >= self.DRAFT_VOCAB_WINDOW:
             if self._outside > self.DRAFT_VOCAB_MISS * self._emitted:
-                self._set_draft_vocab([d for d in self.drafts if d is not None], 2 * self.draft_vocab)
+                self._set_draft_vocab(2 * self.draft_vocab)
                 log.info("drafting among the first %s token ids (%d of %d of the target's were beyond)",
                          self.draft_vocab or "all", self._outside, self._emitted)
             self._emitted = self._outside = 0
@@ -1325,8 +1323,8 @@ class MTPDriver:
             c.fill_bitmask(out=s.draft_bits[i])
             s.n_masked = i + 1
             logits = _masked(s, logits, i)
-        if s.rejection and not np.isfinite(logits.max()):
-            return 0, 0.0, h, 0.0  # nothing the grammar allows among the draft vocabulary
+            if s.rejection and not np.isfinite(logits.max()):
+                return 0, 0.0, h, 0.0  # nothing the grammar allows among the draft vocabulary
         if s.rejection:
             # drawn from the head's distribution under the request's settings, shaped
             # to be accepted more (DraftShaper); q kept for verification
@@ -1347,8 +1345,10 @@ class MTPDriver:
             tok, p = int(np.argmax(logits)), 1.0
         conf = 1.0
         if s.policy is not None:
-            # the softmax's largest entry, the argmax's (8k entries: ~20 us)
-            conf = float(1.0 / np.exp(logits - logits[tok]).sum()) if np.isfinite(logits[tok]) else 0.0
+            # the softmax's largest entry, the argmax's (8k entries: ~20 us), over the ids
+            # the head drafts among (the others are -inf)
+            top = logits[tok]
+            conf = float(1.0 / np.exp(logits[: self.draft_vocab or None] - top).sum()) if np.isfinite(top) else 0.0
         return tok, p, h, conf
 
     def _log_h(self, s: SeqState, p0: int, h: np.ndarray) -> None:
