@@ -676,3 +676,35 @@ def test_prompt_decodes_stop_where_llama_server_stops(tiny, mode):
     pieces = [(p, k) for p, k in seen if p < n]
     cuts = sorted({7, n - 20, n - 4} | set(range(7 + 64, n - 20, 64)))
     assert [p for p, _ in pieces] == [0] + cuts and sum(k for _, k in pieces) == n
+
+
+def test_heads_sitting_out_keep_a_bounded_window_of_rows(tiny, monkeypatch):
+    """Rounds that draft nothing leave the heads behind; the hidden rows kept for their
+    catching up stay within 2 x MAX_CATCH_UP (they grew with the whole generation
+    once), and when drafting starts again the text is still plain greedy decoding's."""
+    import stepmtp.mtp as M
+    from stepmtp.adaptive import DraftPlanner
+
+    monkeypatch.setattr(M.MTPDriver, "MAX_CATCH_UP", 8)
+    best = DraftPlanner._best_plan
+
+    def plan(self, seqs, caps):  # drafting nothing for 70 rounds, then as planned
+        return [0] * len(seqs) if self.rounds < 70 else best(self, seqs, caps)
+
+    monkeypatch.setattr(DraftPlanner, "_best_plan", plan)
+    with Engine(tiny["embedded"], mode="none", n_ctx=512) as eng:
+        plain = eng.generate(PROMPT, n_predict=120, temperature=0)
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        sizes: list[int] = []
+        rnd = M.MTPDriver.round
+
+        def spy(driver, seqs):
+            out = rnd(driver, seqs)
+            sizes.extend(s.anchors.n for s in seqs)
+            return out
+
+        monkeypatch.setattr(M.MTPDriver, "round", spy)
+        out = eng.generate(PROMPT, n_predict=120, temperature=0)
+    assert out.tokens == plain.tokens
+    assert max(sizes[:60]) <= 2 * 8 + 2 and max(sizes[:60]) > 8  # bounded, and the heads did fall behind
+    assert out.stats.n_drafted > 10  # drafting started again

@@ -927,6 +927,13 @@ class MTPDriver:
         if planned:
             if self.fused and self.speculate:
                 for s in planned:
+                    if s.pos - min(s.kv_valid[k] for k in self.heads) > 2 * self.MAX_CATCH_UP:
+                        # heads that sat out this long start from the last MAX_CATCH_UP rows
+                        # when they draft again: the rows before those are let go now (a
+                        # long generation drafting nothing, at temperature 1 on a CPU, kept
+                        # every row's hidden state: 16 KB a token at Step-3.5-Flash's width)
+                        self._bound_catch_up(s)
+                        s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
                     s.policy.behind = sum(min(self.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
             for s, n in zip(planned, self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])):
                 s.n_plan = n
