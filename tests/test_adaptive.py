@@ -423,3 +423,39 @@ def test_losing_probes_grow_further_apart_where_every_sequence_samples():
     assert 50 < greedy < 100  # ~5000 / 64
     assert 10 < sampled < 30  # ~5000 / 256
     assert starts(regime(False, 1.0, True), gate=False) > 50
+
+
+def test_rounds_after_a_plan_of_no_drafts_skip_planning_a_few_rounds():
+    """A full plan that drafts nothing lets the next QUIET_ROUNDS - 1 rounds of the same
+    sequences draft nothing unplanned (planning costs ~1% of such a round); a probe
+    due, or another set of sequences, plans in full at once; and a sequence whose
+    drafting pays again still starts by itself."""
+    planner = DraftPlanner(3)
+    calls: list[int] = []
+    best = DraftPlanner._best_plan
+
+    def counted(self, seqs, caps):
+        calls.append(self.rounds)
+        return best(self, seqs, caps)
+
+    planner._best_plan = counted.__get__(planner)
+    bad = [(0.1, 0.1, 0.1)]
+    plans = simulate(planner, lambda r: bad if r < 400 else [(0.99, 0.99, 0.99)], 800)
+    planned = [r for r in calls if 300 < r <= 400]
+    assert share(plans[300:400], [0]) > 0.95
+    assert 100 / DraftPlanner.QUIET_ROUNDS <= len(planned) < 100 / DraftPlanner.QUIET_ROUNDS + 10  # (probes)
+    assert share(plans[500:], [3]) > 0.9  # drafting started again, and pays
+    # a probe that falls due is planned at once
+    planner.probe_every = 10**6
+    planner._next_probe = planner.rounds + 3
+    before = len(calls)
+    p = planner.policy(regime(True, 0.0))
+    planner._quiet, planner._quiet_seqs = 5, (p,)
+    planner.plan([p], [3]); planner.plan([p], [3])
+    assert len(calls) == before
+    planner.plan([p], [3])
+    assert len(calls) == before + 1
+    # another sequence in the round: planned in full
+    planner._quiet, planner._quiet_seqs = 5, (p,)
+    planner.plan([planner.policy(regime(True, 0.0))], [3])
+    assert len(calls) == before + 2

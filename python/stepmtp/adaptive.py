@@ -53,7 +53,6 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-import statistics
 from typing import Sequence
 
 __all__ = ["RoundCosts", "SeqPolicy", "DraftPlanner", "regime", "ConfidenceRecord"]
@@ -104,6 +103,13 @@ class _Record:
         return out
 
 
+def _median(xs: Sequence[float]) -> float:
+    """statistics.median, at a third of its cost (it runs a few times every round)."""
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
 class _Timings:
     """Seconds by key (rows of a verify, depth of a draft step): the median of the key's
     last WINDOW samples. A shared machine preempts the process now and then (seen: a
@@ -136,7 +142,7 @@ class _Timings:
             w.clear()
         w.append(seconds)
         del w[: -self.WINDOW]
-        self.t[key] = statistics.median(w)
+        self.t[key] = _median(w)
         self.n[key] = self.n.get(key, 0) + 1
         self.seen[key] = rnd
 
@@ -186,7 +192,7 @@ class RoundCosts:
         self.step_t = _Timings()
         self.catch_up_t = _Timings()  # a row's share of a head's catching up (key 0)
         self.speed = 1.0
-        self._ratios: list[float] = []
+        self._ratios: list[float] = []  # logarithms
         self._ref: dict[int, float] = {}
         self._lead: int | None = None  # the row count the speed was last read off
         self._recent: collections.deque[int] = collections.deque(maxlen=self.SPEED_WINDOW)  # recent verifies' rows
@@ -236,12 +242,12 @@ class RoundCosts:
                 self._lead = rows
             elif self._lead is None:
                 self._lead = rows
-            self._ratios.append(seconds / ref)
+            self._ratios.append(math.log(seconds / ref))
             del self._ratios[: -self.SPEED_WINDOW]
             r = sorted(self._ratios)
             if len(r) > 2 * self.SPEED_TRIM + 2:
                 r = r[self.SPEED_TRIM: -self.SPEED_TRIM]
-            self.speed = math.exp(sum(map(math.log, r)) / len(r))
+            self.speed = math.exp(sum(r) / len(r))
         self.verify_t.observe(rows, seconds / self.speed, self.rounds)
         if ref is None and self.verify_t.n.get(rows, 0) >= self.REF_SAMPLES:
             self._ref[rows] = self.verify_t.t[rows]
@@ -559,6 +565,8 @@ class DraftPlanner:
         self.planned_rows = 0
         self.planned_rate = 0.0
         self._accepts: list[list[float]] | None = None
+        self._quiet = 0  # rounds left that draft nothing unplanned (``_quiet_round``)
+        self._quiet_seqs: tuple[SeqPolicy, ...] = ()  # the sequences of the plan that set it
 
     @property
     def rounds(self) -> int:
@@ -605,8 +613,12 @@ class DraftPlanner:
         self._accepts = None
         if not self.costs.known:
             out = self._explore_plan(seqs, caps)
+        elif self._quiet_round(seqs):
+            out = [0] * len(seqs)
         else:
             out = self._best_plan(seqs, caps)
+            self._quiet = self.QUIET_ROUNDS - 1 if not any(out) and not self._probing else 0
+            self._quiet_seqs = tuple(seqs)
         # the drafts go to the verify as planned, or fewer where their heads were unsure
         # (``SeqPolicy.keep``): not while the costs are unknown, nor in a probe (which
         # also tries the drafts a gate would keep out, so its record of them stays current)
@@ -628,6 +640,26 @@ class DraftPlanner:
                 p.hold -= 1
             p.last = n
         return out
+
+    #: after a full plan drafted nothing, the rounds that follow it draft nothing too
+    #: without planning, this many at most (the first included). Planning is Python's
+    #: work on every round (~0.1 ms for one sequence, ~0.15 for four), 0.6-1% of a
+    #: round that drafts nothing on the bench model, which is every round at
+    #: temperature 1 there: MTP on ran at 0.98-0.99 of MTP off in-process for it.
+    #: Drafting starts again these few rounds later at most.
+    QUIET_ROUNDS = 8
+
+    def _quiet_round(self, seqs: Sequence[SeqPolicy]) -> bool:
+        """Whether this round drafts nothing without planning (``QUIET_ROUNDS``): the
+        last full plan, for the same number of sequences, drafted nothing, none of them
+        drafted since nor holds, and no probe is due."""
+        if self._quiet <= 0 or len(seqs) != len(self._quiet_seqs) \
+                or any(p is not q or p.last or p.hold for p, q in zip(seqs, self._quiet_seqs)) \
+                or self._probe_again is not None or self.rounds >= self._next_probe:
+            self._quiet = 0
+            return False
+        self._quiet -= 1
+        return True
 
     #: rounds an engine drafts at first to time its draft steps, at most
     EXPLORE_DRAFTING = 8

@@ -941,8 +941,10 @@ class MTPDriver:
                     self._bound_catch_up(s)
         steps: list[float | None] = []
         t1 = time.perf_counter()
-        if self.speculate:
-            steps = self._draft_fused(seqs) if self.fused else self._draft(seqs)
+        if self.speculate and not self.fused:
+            steps = self._draft(seqs)  # (it also rewinds the heads the last round's process moved)
+        elif self.speculate and any(s.n_plan for s in seqs):  # (no drafts planned: nothing to do)
+            steps = self._draft_fused(seqs)
 
         t2 = time.perf_counter()
         timed = True
