@@ -459,3 +459,14 @@ def test_rounds_after_a_plan_of_no_drafts_skip_planning_a_few_rounds():
     planner._quiet, planner._quiet_seqs = 5, (p,)
     planner.plan([planner.policy(regime(True, 0.0))], [3])
     assert len(calls) == before + 2
+
+
+def test_a_regime_that_drafts_nothing_for_long_turns_dormant():
+    """DORMANT_ROUNDS rounds of a regime without drafts outside probes make it dormant;
+    one that drafts is not, and a regime never planned is not."""
+    p = DraftPlanner(3)
+    hot, cold = regime(False, 1.0, True), regime(True, 0.0)
+    simulate(p, [(0.05, 0.05, 0.05)], DraftPlanner.DORMANT_ROUNDS + 300, keys=[hot])
+    simulate(p, [T0], DraftPlanner.DORMANT_ROUNDS + 300, keys=[cold])
+    assert p.dormant(hot) and not p.dormant(cold)
+    assert not p.dormant(regime(False, 0.7, True))

@@ -708,3 +708,40 @@ def test_heads_sitting_out_keep_a_bounded_window_of_rows(tiny, monkeypatch):
     assert out.tokens == plain.tokens
     assert max(sizes[:60]) <= 2 * 8 + 2 and max(sizes[:60]) > 8  # bounded, and the heads did fall behind
     assert out.stats.n_drafted > 10  # drafting started again
+
+
+def test_a_dormant_regime_leaves_the_prompt_to_the_target(tiny, monkeypatch):
+    """Where a sampling regime has drafted nothing for long (``DraftPlanner.dormant``),
+    a new sequence's heads do not read its prompt; should it draft, they start from its
+    last rows, and the greedy text is still plain decoding's."""
+    import stepmtp.mtp as M
+    from stepmtp.adaptive import DraftPlanner
+
+    monkeypatch.setattr(M.MTPDriver, "MAX_CATCH_UP", 8)
+    prompt = PROMPT * 3
+    with Engine(tiny["embedded"], mode="none", n_ctx=512, n_batch=16, n_ubatch=16) as eng:
+        plain = eng.generate(prompt, n_predict=60, temperature=0)
+    runs = {}
+    for dormant in (False, True):
+        monkeypatch.setattr(DraftPlanner, "dormant", lambda self, key: dormant)
+        with Engine(tiny["embedded"], mode="chain", n_ctx=512, n_batch=16, n_ubatch=16) as eng:
+            runs[dormant] = eng.generate(prompt, n_predict=60, temperature=0, cache_prompt=False)
+    assert runs[True].tokens == runs[False].tokens == plain.tokens
+    assert runs[False].stats.n_prompt_draft_decodes > 0 == runs[True].stats.n_prompt_draft_decodes
+    assert runs[True].stats.n_drafted > 10
+
+
+def test_heads_that_sat_out_still_draft_after_a_cached_prompt(tiny, monkeypatch):
+    """A follow-up request reusing a prefix whose heads never read it (dormant) decodes
+    plain greedy decoding's text."""
+    from stepmtp.adaptive import DraftPlanner
+
+    with Engine(tiny["embedded"], mode="none", n_ctx=512) as eng:
+        want = [eng.generate(PROMPT + x, n_predict=40, temperature=0).tokens for x in ("", " and more")]
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        monkeypatch.setattr(DraftPlanner, "dormant", lambda self, key: True)
+        first = eng.generate(PROMPT, n_predict=40, temperature=0)
+        monkeypatch.setattr(DraftPlanner, "dormant", lambda self, key: False)
+        second = eng.generate(PROMPT + " and more", n_predict=40, temperature=0)
+    assert [first.tokens, second.tokens] == want
+    assert second.stats.n_prompt_cached > 0

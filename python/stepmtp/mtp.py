@@ -176,6 +176,11 @@ class _Anchors:
 
     def append(self, tokens: list[int] | np.ndarray, h_rows: np.ndarray) -> None:
         k = len(tokens)
+        if k == 1 and self.n < len(self.tok):  # every round's id_last (half the time of slices)
+            self.tok[self.n] = tokens[0]
+            self.h[self.n] = h_rows[0]
+            self.n += 1
+            return
         if self.n + k > len(self.tok):
             cap = max(2 * len(self.tok), self.n + k)
             tok, h = np.zeros(cap, dtype=np.int32), np.zeros((cap, self.h.shape[1]), dtype=np.float32)
@@ -450,7 +455,8 @@ class MTPDriver:
         a vocabulary missing more than DRAFT_VOCAB_MISS of them doubles (a text in
         another script than the vocabulary's first ids, say)."""
         self._emitted += len(out)
-        self._outside += sum(t >= self.draft_vocab for t in out)
+        if max(out) >= self.draft_vocab:
+            self._outside += sum(t >= self.draft_vocab for t in out)
         if self._emitted >= self.DRAFT_VOCAB_WINDOW:
             if self._outside > self.DRAFT_VOCAB_MISS * self._emitted:
                 self._set_draft_vocab(2 * self.draft_vocab)
@@ -809,7 +815,10 @@ class MTPDriver:
                 if not skip:
                     s.anchors.append(chunk[:1], s.pending_h[None, :])
                 s.anchors.append(chunk[1:], h[:-1])
-                self._catch_up(s, keep=self.n_rows_seq - 1 - self.n_draft)
+                if s.policy is not None and self.planner.dormant(s.policy.key):
+                    self._bound_catch_up(s, end)  # (drafting does not pay where it samples so)
+                else:
+                    self._catch_up(s, keep=self.n_rows_seq - 1 - self.n_draft)
             elif skip:
                 if len(chunk) > 1:
                     s.pending_h = h[0]
@@ -932,13 +941,12 @@ class MTPDriver:
                         # when they draft again: the rows before those are let go now (a
                         # long generation drafting nothing, at temperature 1 on a CPU, kept
                         # every row's hidden state: 16 KB a token at Step-3.5-Flash's width)
-                        self._bound_catch_up(s)
-                        s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
+                        self._bound_catch_up(s, s.pos + 1)
                     s.policy.behind = sum(min(self.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
             for s, n in zip(planned, self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])):
                 s.n_plan = n
                 if self.fused and n:
-                    self._bound_catch_up(s)
+                    self._bound_catch_up(s, s.pos + 1)
         steps: list[float | None] = []
         t1 = time.perf_counter()
         if self.speculate and not self.fused:
@@ -1231,18 +1239,20 @@ class MTPDriver:
     #: adaptive length: the most rows a head catches up on when drafting resumes
     MAX_CATCH_UP = 256
 
-    def _bound_catch_up(self, s: SeqState) -> None:
+    def _bound_catch_up(self, s: SeqState, end: int) -> None:
         """Adaptive length: a head that sat out many rounds starts over from the last
-        MAX_CATCH_UP rows it missed, its older KV dropped (llama.cpp takes a sequence's
-        positions only as a continuation of what its KV holds, or from scratch).
-        Otherwise the round that probes whether drafting pays again would pay for the
-        whole pause first (the prompt included), and probing would cost more than it
-        can win. Drafts only get worse, never wrong: the target verifies them."""
-        floor = s.pos + 1 - self.MAX_CATCH_UP
+        MAX_CATCH_UP rows it missed (of the anchored ones, up to ``end``), its older KV
+        dropped (llama.cpp takes a sequence's positions only as a continuation of what
+        its KV holds, or from scratch), and so do the rows kept for it. Otherwise the
+        round that probes whether drafting pays again would pay for the whole pause
+        first (the prompt included), and probing would cost more than it can win.
+        Drafts only get worse, never wrong: the target verifies them."""
+        floor = end - self.MAX_CATCH_UP
         for k in self.heads:
             if s.kv_valid[k] < floor:
                 self.drafts[k].seq_rm(s.seq_id)
                 s.kv_valid[k] = s.kv_end[k] = floor
+        s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
 
     def _catch_up(self, s: SeqState, keep: int, heads: list[int] | None = None) -> None:
         """Decode, without outputs, the anchored rows of each head beyond the last
