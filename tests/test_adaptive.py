@@ -470,3 +470,21 @@ def test_a_regime_that_drafts_nothing_for_long_turns_dormant():
     simulate(p, [T0], DraftPlanner.DORMANT_ROUNDS + 300, keys=[cold])
     assert p.dormant(hot) and not p.dormant(cold)
     assert not p.dormant(regime(False, 0.7, True))
+
+
+def test_no_quiet_rounds_where_drafting_comes_close():
+    """Where drafting nearly pays (within QUIET_BELOW of drafting nothing) every round
+    is planned: there a noisy timing flips the plan now and then, and quiet rounds
+    turned each flip into eight rounds of no drafts."""
+    planner = DraftPlanner(3)
+    calls: list[int] = []
+    best = DraftPlanner._best_plan
+
+    def counted(self, seqs, caps):
+        calls.append(self.rounds)
+        return best(self, seqs, caps)
+
+    planner._best_plan = counted.__get__(planner)
+    plans = simulate(planner, [(0.6, 0.6, 0.6)], 400)  # one draft: 1.6 tokens for 1.66 rounds
+    assert share(plans[200:], [0]) > 0.8
+    assert sum(1 for r in calls if r > 200) > 120  # (quiet in every round: ~200 / 8 + probes)

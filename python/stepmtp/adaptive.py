@@ -569,6 +569,7 @@ class DraftPlanner:
         self.planned_rate = 0.0
         self._accepts: list[list[float]] | None = None
         self._quiet = 0  # rounds left that draft nothing unplanned (``_quiet_round``)
+        self._drafting_share = float("inf")  # the last full plan's best drafting rate / drafting nothing's
         #: per sampling regime: the rounds planned with a sequence of it, and that count
         #: at its sequences' last drafts outside probes (``dormant``)
         self._regime_rounds: dict[tuple[float, bool], int] = {}
@@ -637,7 +638,8 @@ class DraftPlanner:
             out = [0] * len(seqs)
         else:
             out = self._best_plan(seqs, caps)
-            self._quiet = self.QUIET_ROUNDS - 1 if not any(out) and not self._probing else 0
+            self._quiet = self.QUIET_ROUNDS - 1 \
+                if not any(out) and not self._probing and self._drafting_share < self.QUIET_BELOW else 0
             self._quiet_seqs = tuple(seqs)
         # the drafts go to the verify as planned, or fewer where their heads were unsure
         # (``SeqPolicy.keep``): not while the costs are unknown, nor in a probe (which
@@ -664,13 +666,16 @@ class DraftPlanner:
             p.last = n
         return out
 
-    #: after a full plan drafted nothing, the rounds that follow it draft nothing too
-    #: without planning, this many at most (the first included). Planning is Python's
-    #: work on every round (~0.1 ms for one sequence, ~0.15 for four), 0.6-1% of a
-    #: round that drafts nothing on the bench model, which is every round at
-    #: temperature 1 there: MTP on ran at 0.98-0.99 of MTP off in-process for it.
-    #: Drafting starts again these few rounds later at most.
+    #: after a full plan drafted nothing, and no drafting came within QUIET_BELOW of
+    #: its rate, the rounds that follow it draft nothing too without planning, this
+    #: many at most (the first included). Planning is Python's work on every round
+    #: (~0.1 ms for one sequence, ~0.15 for four), 0.6-1% of a round that drafts
+    #: nothing on the bench model, which is every round at temperature 1 there: MTP on
+    #: ran at 0.98-0.99 of MTP off in-process for it. Drafting starts again these few
+    #: rounds later at most. Not where drafting was close: at temperature 0 a plan of
+    #: no drafts now and then (a noisy timing) became eight, and one client drafted less
     QUIET_ROUNDS = 8
+    QUIET_BELOW = 0.9
 
     def _quiet_round(self, seqs: Sequence[SeqPolicy]) -> bool:
         """Whether this round drafts nothing without planning (``QUIET_ROUNDS``): the
@@ -744,6 +749,10 @@ class DraftPlanner:
                     heads.append((gains[s][n[s]][0], s))
         if best is None:
             return [0] * N
+        # how close drafting came to drafting nothing (``QUIET_BELOW``)
+        plain = options.get((0, N), (0.0,))[0] / edge
+        drafting = max((o[0] for k, o in options.items() if k[1] > N), default=0.0)
+        self._drafting_share = drafting / plain if plain > 0 else float("inf")
         _, D, rows = best
         # hysteresis: the rows planned last round stay while they are within a few
         # percent (switching is not free: heads left behind catch up later)
