@@ -488,3 +488,17 @@ def test_no_quiet_rounds_where_drafting_comes_close():
     plans = simulate(planner, [(0.6, 0.6, 0.6)], 400)  # one draft: 1.6 tokens for 1.66 rounds
     assert share(plans[200:], [0]) > 0.8
     assert sum(1 for r in calls if r > 200) > 120  # (quiet in every round: ~200 / 8 + probes)
+
+
+def test_a_regime_not_in_use_keeps_its_record():
+    """A sampling regime's record fades by its own rounds: thousands of rounds of
+    another regime leave what it learnt as it was (it once faded back to the optimistic
+    prior meanwhile, and drafting at a loss began again at temperature 1)."""
+    p = DraftPlanner(3)
+    hot, cold = regime(False, 1.0, True), regime(True, 0.0)
+    simulate(p, [(0.3, 0.3, 0.3)], 300, keys=[hot])
+    before = p.record_for(hot).estimate(p.regime_rounds(hot))
+    simulate(p, [T0], 3000, keys=[cold])
+    after = p.record_for(hot).estimate(p.regime_rounds(hot))
+    assert after == before and after[0] < 0.6
+    assert p.regime_rounds(cold) == 3000
