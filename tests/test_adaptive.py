@@ -425,20 +425,26 @@ def test_losing_probes_grow_further_apart_where_every_sequence_samples():
     assert starts(regime(False, 1.0, True), gate=False) > 50
 
 
+def full_plans(planner: DraftPlanner) -> list[int]:
+    """The rounds in which ``planner`` plans in full (not a quiet round), as they come."""
+    calls: list[int] = []
+    best = planner._best_plan
+
+    def counted(seqs, caps):
+        calls.append(planner.rounds)
+        return best(seqs, caps)
+
+    planner._best_plan = counted
+    return calls
+
+
 def test_rounds_after_a_plan_of_no_drafts_skip_planning_a_few_rounds():
     """A full plan that drafts nothing lets the next QUIET_ROUNDS - 1 rounds of the same
     sequences draft nothing unplanned (planning costs ~1% of such a round); a probe
     due, or another set of sequences, plans in full at once; and a sequence whose
     drafting pays again still starts by itself."""
     planner = DraftPlanner(3)
-    calls: list[int] = []
-    best = DraftPlanner._best_plan
-
-    def counted(self, seqs, caps):
-        calls.append(self.rounds)
-        return best(self, seqs, caps)
-
-    planner._best_plan = counted.__get__(planner)
+    calls = full_plans(planner)
     bad = [(0.1, 0.1, 0.1)]
     plans = simulate(planner, lambda r: bad if r < 400 else [(0.99, 0.99, 0.99)], 800)
     planned = [r for r in calls if 300 < r <= 400]
@@ -477,14 +483,7 @@ def test_no_quiet_rounds_where_drafting_comes_close():
     is planned: there a noisy timing flips the plan now and then, and quiet rounds
     turned each flip into eight rounds of no drafts."""
     planner = DraftPlanner(3)
-    calls: list[int] = []
-    best = DraftPlanner._best_plan
-
-    def counted(self, seqs, caps):
-        calls.append(self.rounds)
-        return best(self, seqs, caps)
-
-    planner._best_plan = counted.__get__(planner)
+    calls = full_plans(planner)
     plans = simulate(planner, [(0.6, 0.6, 0.6)], 400)  # one draft: 1.6 tokens for 1.66 rounds
     assert share(plans[200:], [0]) > 0.8
     assert sum(1 for r in calls if r > 200) > 120  # (quiet in every round: ~200 / 8 + probes)

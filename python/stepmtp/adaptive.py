@@ -569,7 +569,6 @@ class DraftPlanner:
         self.planned_rate = 0.0
         self._accepts: list[list[float]] | None = None
         self._quiet = 0  # rounds left that draft nothing unplanned (``_quiet_round``)
-        self._drafting_share = float("inf")  # the last full plan's best drafting rate / drafting nothing's
         #: per sampling regime: the rounds planned with a sequence of it, and that count
         #: at its sequences' last drafts outside probes (``dormant``)
         self._regime_rounds: dict[tuple[float, bool], int] = {}
@@ -646,9 +645,6 @@ class DraftPlanner:
             out = [0] * len(seqs)
         else:
             out = self._best_plan(seqs, caps)
-            self._quiet = self.QUIET_ROUNDS - 1 \
-                if not any(out) and not self._probing and self._drafting_share < self.QUIET_BELOW else 0
-            self._quiet_seqs = tuple(seqs)
         # the drafts go to the verify as planned, or fewer where their heads were unsure
         # (``SeqPolicy.keep``): not while the costs are unknown, nor in a probe (which
         # also tries the drafts a gate would keep out, so its record of them stays current)
@@ -758,10 +754,10 @@ class DraftPlanner:
                     heads.append((gains[s][n[s]][0], s))
         if best is None:
             return [0] * N
-        # how close drafting came to drafting nothing (``QUIET_BELOW``)
+        # no drafts, and drafting not even close to paying: the next rounds need no plan
         plain = options.get((0, N), (0.0,))[0] / edge
         drafting = max((o[0] for k, o in options.items() if k[1] > N), default=0.0)
-        self._drafting_share = drafting / plain if plain > 0 else float("inf")
+        quiet = best[2] == N and plain > 0 and drafting < self.QUIET_BELOW * plain
         _, D, rows = best
         # hysteresis: the rows planned last round stay while they are within a few
         # percent (switching is not free: heads left behind catch up later)
@@ -791,6 +787,8 @@ class DraftPlanner:
             self.gap = self.probe_every if rows == self._probe else min(2 * self.gap, cap)
             self._probe = None
         self._last = (N, chosen[1])
+        self._quiet = self.QUIET_ROUNDS - 1 if quiet and chosen[1] == N and not self._probing else 0
+        self._quiet_seqs = tuple(seqs)
         self._accepts = accepts
         self.planned_rate, self.planned_rows = options[chosen][0], chosen[1]
         return options[chosen][1]
