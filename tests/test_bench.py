@@ -5,6 +5,8 @@ greedy tokens), and server processes."""
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -347,6 +349,25 @@ def test_matrix_entries_take_turns_group_by_group():
     run = X.Run.joined([X.Run(2.0, 40, 10, 8, ["a", "b"]), X.Run(1.0, 20, 5, 1, ["c"])])
     assert (run.wall_s, run.tokens, run.drafted, run.accepted, run.texts) == (3.0, 60, 15, 9, ["a", "b", "c"])
     assert run.tok_s == 20.0
+
+
+def test_matrix_paired_ratio_is_group_by_group():
+    """Cell.paired: the geometric mean of the entries' tok/s ratios over the same groups
+    and its standard error; the best passes' ratio can say another thing (here a lucky
+    pass of `off` against `mtp` faster in every group)."""
+    c = X.Cell(0.0, 1)
+    c.groups["off"] = [X.Run(1.0, 10, 0, 0, []), X.Run(1.0, 40, 0, 0, []), X.Run(1.0, 10, 0, 0, [])]
+    c.groups["mtp"] = [X.Run(1.0, 11, 0, 0, []), X.Run(1.0, 44, 0, 0, []), X.Run(1.0, 12, 0, 0, [])]
+    c.runs = {"off": [X.Run(1.0, 40, 0, 0, [])], "mtp": [X.Run(1.0, 12, 0, 0, [])]}
+    r, se, n = c.paired("mtp")
+    assert n == 3 and r == pytest.approx((1.1 * 1.1 * 1.2) ** (1 / 3))
+    logs = [math.log(1.1), math.log(1.1), math.log(1.2)]
+    assert se == pytest.approx(statistics.stdev(logs) / 3 ** 0.5)
+    assert c.ratio("mtp") < 1 < r
+    assert c.paired("mtp", "cpp-mtp") is None
+    d = c.to_dict()["entries"]["mtp"]
+    assert d["paired_x_off"]["groups"] == 3 and d["paired_x_off"]["ratio"] == pytest.approx(r)
+    assert "| `mtp` x `off` | 1.132 ±" in X.markdown([c], [X.ENTRIES["off"], X.ENTRIES["mtp"]])
 
 # -- the widened model -------------------------------------------------------------------
 

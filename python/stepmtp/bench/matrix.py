@@ -11,7 +11,10 @@ times summed, and each entry keeps its best pass. A shared machine's speed drift
 (half a minute each) gave each entry a different minute: the same code's ratio to
 ``off`` moved by 0.1-0.2 from run to run. Groups in turns put every entry within
 seconds of the others. A group ends when its last request does, as a batch of an
-agent's parallel calls would; the next group's clients start together.
+agent's parallel calls would; the next group's clients start together. Besides the
+best passes' ratios, each cell has the ratios group by group (``Cell.paired``: their
+geometric mean and its standard error over every repeat's groups), which say whether a
+ratio near 1 is above or below it, where two best passes cannot.
 
 Every server gets ``-m MODEL -c 4096`` (the bench-size model's own context, 1024
 positions, would be shared by the 4 slots of ``-np`` auto), ``-t`` when given, and,
@@ -37,6 +40,7 @@ load each text must equal the text the same entry wrote for one client: exit 3 w
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -138,6 +142,9 @@ class Cell:
     clients: int
     #: entry name -> its runs, one per repeat
     runs: dict[str, list[Run]] = field(default_factory=dict)
+    #: entry name -> its groups' runs, every repeat's in turn: the same index is the same
+    #: prompts sent within seconds to each entry (``turns``)
+    groups: dict[str, list[Run]] = field(default_factory=dict)
 
     def best(self, name: str) -> Run | None:
         rs = self.runs.get(name)
@@ -151,14 +158,34 @@ class Cell:
         a, b = self.tok_s(name), self.tok_s(to)
         return a / b if a and b else None
 
+    def paired(self, name: str, to: str = "off") -> tuple[float, float, int] | None:
+        """The geometric mean of ``name``'s tok/s over ``to``'s, group by group, its
+        standard error (of the log, about the relative error) and the groups it is of.
+        The best passes' ratio compares two maxima of noisy passes, which moved by 0.05-0.1
+        from run to run on the 2-core VM; the groups were sent to both within seconds."""
+        a, b = self.groups.get(name) or [], self.groups.get(to) or []
+        logs = [math.log(x.tok_s / y.tok_s) for x, y in zip(a, b) if x.tok_s > 0 and y.tok_s > 0]
+        if not logs:
+            return None
+        m = sum(logs) / len(logs)
+        se = (sum((v - m) ** 2 for v in logs) / (len(logs) - 1) / len(logs)) ** 0.5 if len(logs) > 1 else float("nan")
+        return math.exp(m), se, len(logs)
+
     def accept(self, name: str) -> float | None:
         rs = self.runs.get(name) or []
         d = sum(r.drafted for r in rs)
         return sum(r.accepted for r in rs) / d if d else None
 
     def to_dict(self) -> dict[str, Any]:
+        def paired(n: str, to: str) -> dict[str, Any] | None:
+            p = self.paired(n, to)
+            return {"ratio": p[0], "se": p[1] if p[1] == p[1] else None, "groups": p[2]} if p else None
+
         return {"temperature": self.temperature, "clients": self.clients,
                 "entries": {n: {"tok_s": self.tok_s(n), "x_off": self.ratio(n), "accept": self.accept(n),
+                                "paired_x_off": paired(n, "off"),
+                                **({"paired_x_cpp_mtp": paired(n, "cpp-mtp")}
+                                   if "cpp-mtp" in self.runs and n != "cpp-mtp" else {}),
                                 "runs": [{"wall_s": r.wall_s, "tokens": r.tokens, "drafted": r.drafted,
                                           "accepted": r.accepted} for r in rs]}
                             for n, rs in self.runs.items()}}
@@ -247,6 +274,7 @@ def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path,
                     parts[name].append(_drive(servers[name].url, [prompts[i] for i in group], cell.temperature,
                                               cell.clients, timeout))
                 for name in names:
+                    cell.groups.setdefault(name, []).extend(parts[name])
                     run = Run.joined(parts[name])
                     cell.runs.setdefault(name, []).append(run)
                     if progress:
@@ -317,6 +345,19 @@ def markdown(cells: Sequence[Cell], entries: Sequence[Entry]) -> str:
                 r = c.ratio("mtp", "cpp-mtp") if c else None
                 row.append(f"{r:.2f}x" if r else "–")
             lines.append("| `mtp` x `cpp-mtp` | " + " | ".join(row) + " |")
+        lines.append("")
+        # the same ratios group by group (``Cell.paired``): what the noise leaves of them
+        pairs = [(e.name, "off") for e in entries if e.name != "off"] + ([("mtp", "cpp-mtp")] if cpp else [])
+        lines.append(f"temperature {t:g}, paired: geometric mean of the groups' ratios ± standard error\n")
+        lines.append("| ratio | " + " | ".join(f"{n} client{'s' if n > 1 else ''}" for n in clients) + " |")
+        lines.append("|---|" + "---:|" * len(clients))
+        for a, b in pairs:
+            row = []
+            for n in clients:
+                c = by.get((t, n))
+                p = c.paired(a, b) if c else None
+                row.append("–" if p is None else f"{p[0]:.3f}" + (f" ± {p[1]:.3f}" if p[1] == p[1] else ""))
+            lines.append(f"| `{a}` x `{b}` | " + " | ".join(row) + " |")
         lines.append("")
     return "\n".join(lines)
 
