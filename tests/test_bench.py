@@ -353,12 +353,13 @@ def test_matrix_entries_take_turns_group_by_group():
 
 def test_matrix_paired_ratio_is_group_by_group():
     """Cell.paired: the geometric mean of the entries' tok/s ratios over the same groups
-    and its standard error; the best passes' ratio can say another thing (here a lucky
-    pass of `off` against `mtp` faster in every group)."""
-    c = X.Cell(0.0, 1)
-    c.groups["off"] = [X.Run(1.0, 10, 0, 0, []), X.Run(1.0, 40, 0, 0, []), X.Run(1.0, 10, 0, 0, [])]
-    c.groups["mtp"] = [X.Run(1.0, 11, 0, 0, []), X.Run(1.0, 44, 0, 0, []), X.Run(1.0, 12, 0, 0, [])]
-    c.runs = {"off": [X.Run(1.0, 40, 0, 0, [])], "mtp": [X.Run(1.0, 12, 0, 0, [])]}
+    and its standard error; the passes' ratio (tokens over wall time, each pass joined from
+    its groups) can say another thing: here `mtp` is faster in every group, but its texts
+    ran longer in its slower groups (temperature 1), which weigh more in its pass."""
+    c = X.Cell(1.0, 1)
+    c.passes["off"] = [[X.Run(1.0, 10, 0, 0, []), X.Run(1.0, 40, 0, 0, []), X.Run(1.0, 10, 0, 0, [])]]
+    c.passes["mtp"] = [[X.Run(2.0, 22, 0, 0, []), X.Run(1.0, 44, 0, 0, []), X.Run(2.0, 24, 0, 0, [])]]
+    assert [r.tok_s for r in c.runs["off"]] == [20.0] and [r.tok_s for r in c.runs["mtp"]] == [18.0]
     r, se, n = c.paired("mtp")
     assert n == 3 and r == pytest.approx((1.1 * 1.1 * 1.2) ** (1 / 3))
     logs = [math.log(1.1), math.log(1.1), math.log(1.2)]

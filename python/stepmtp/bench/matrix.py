@@ -140,14 +140,20 @@ def turns(n_prompts: int, clients: int, names: Sequence[str]) -> list[tuple[str,
 class Cell:
     temperature: float
     clients: int
-    #: entry name -> its runs, one per repeat
-    runs: dict[str, list[Run]] = field(default_factory=dict)
-    #: entry name -> its groups' runs, every repeat's in turn: the same index is the same
-    #: prompts sent within seconds to each entry (``turns``)
-    groups: dict[str, list[Run]] = field(default_factory=dict)
+    #: entry name -> its passes, one per repeat, each its groups' runs in the order they
+    #: ran: the same indices are the same prompts, sent within seconds to each entry (``turns``)
+    passes: dict[str, list[list[Run]]] = field(default_factory=dict)
+
+    def joined(self, name: str) -> list[Run]:
+        """The entry's passes, each joined into one run."""
+        return [Run.joined(p) for p in self.passes.get(name, [])]
+
+    @property
+    def runs(self) -> dict[str, list[Run]]:
+        return {n: self.joined(n) for n in self.passes}
 
     def best(self, name: str) -> Run | None:
-        rs = self.runs.get(name)
+        rs = self.joined(name)
         return max(rs, key=lambda r: r.tok_s) if rs else None
 
     def tok_s(self, name: str) -> float | None:
@@ -163,8 +169,9 @@ class Cell:
         standard error (of the log, about the relative error) and the groups it is of.
         The best passes' ratio compares two maxima of noisy passes, which moved by 0.05-0.1
         from run to run on the 2-core VM; the groups were sent to both within seconds."""
-        a, b = self.groups.get(name) or [], self.groups.get(to) or []
-        logs = [math.log(x.tok_s / y.tok_s) for x, y in zip(a, b) if x.tok_s > 0 and y.tok_s > 0]
+        a, b = self.passes.get(name) or [], self.passes.get(to) or []
+        logs = [math.log(x.tok_s / y.tok_s) for pa, pb in zip(a, b) for x, y in zip(pa, pb)
+                if x.tok_s > 0 and y.tok_s > 0]
         if not logs:
             return None
         m = sum(logs) / len(logs)
@@ -172,7 +179,7 @@ class Cell:
         return math.exp(m), se, len(logs)
 
     def accept(self, name: str) -> float | None:
-        rs = self.runs.get(name) or []
+        rs = self.joined(name)
         d = sum(r.drafted for r in rs)
         return sum(r.accepted for r in rs) / d if d else None
 
@@ -274,9 +281,8 @@ def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path,
                     parts[name].append(_drive(servers[name].url, [prompts[i] for i in group], cell.temperature,
                                               cell.clients, timeout))
                 for name in names:
-                    cell.groups.setdefault(name, []).extend(parts[name])
+                    cell.passes.setdefault(name, []).append(parts[name])
                     run = Run.joined(parts[name])
-                    cell.runs.setdefault(name, []).append(run)
                     if progress:
                         acc = f", accept {run.accepted / run.drafted:.2f}" if run.drafted else ""
                         print(f"matrix: pass {k + 1}/{repeat} t={cell.temperature:g} clients={cell.clients} "
