@@ -430,9 +430,9 @@ def full_plans(planner: DraftPlanner) -> list[int]:
     calls: list[int] = []
     best = planner._best_plan
 
-    def counted(seqs, caps):
+    def counted(seqs, caps, *rest):
         calls.append(planner.rounds)
-        return best(seqs, caps)
+        return best(seqs, caps, *rest)
 
     planner._best_plan = counted
     return calls

@@ -270,7 +270,7 @@ def test_fused_schedule_drafts_what_the_reference_drafts(tmp_path_factory, tiny,
     runs = {}
     for schedule in ("reference", "fused"):
         with Engine(model, mode=mode, n_max=n_max, n_ctx=512, schedule=schedule, debug=True, adaptive=False,
-                    **kw) as eng:
+                    context=False, **kw) as eng:
             runs[schedule] = eng.generate(PROMPT, n_predict=64, **samp)
     ref, fused = runs["reference"].trace, runs["fused"].trace
     assert len(ref) == len(fused) > 0
@@ -426,7 +426,7 @@ def test_rejection_sampling_accepts_more_than_exact_match(tmp_path_factory):
 
     path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
     rates = {}
-    with Engine(path, mode="chain", n_ctx=512, adaptive=False) as eng:
+    with Engine(path, mode="chain", n_ctx=512, adaptive=False, context=False) as eng:
         for verify in ("exact", "rejection"):
             acc = drafted = 0
             for seed in range(4):
@@ -479,9 +479,11 @@ def _random_plans(monkeypatch, seed: int = 0):
     rng = random.Random(seed)
     plan = DraftPlanner.plan
 
-    def random_plan(self, seqs, caps):
+    def random_plan(self, seqs, caps, *rest):
         self.gate = False  # the lengths drawn are the lengths drafted
-        plan(self, seqs, caps)
+        plan(self, seqs, caps, *rest)
+        for p in seqs:  # the heads draft: a context's drafts are drawn below
+            p.use, p.n_forced = "heads", 0
         return [rng.randint(0, c) for c in caps]
 
     monkeypatch.setattr(DraftPlanner, "plan", random_plan)

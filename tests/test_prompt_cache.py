@@ -28,9 +28,9 @@ def turns(eng: Engine) -> list[list[int]]:
 
 
 # fixed draft lengths where counts are compared (an adaptive length's follow the timings)
-@pytest.mark.parametrize("cfg", [dict(mode="none"), dict(mode="chain", n_max=3, adaptive=False),
-                                 dict(mode="chain", n_max=2, schedule="reference", adaptive=False),
-                                 dict(mode="single", n_max=2, adaptive=False), dict(mode="chain", n_max=3)],
+@pytest.mark.parametrize("cfg", [dict(mode="none"), dict(mode="chain", n_max=3, adaptive=False, context=False),
+                                 dict(mode="chain", n_max=2, schedule="reference", adaptive=False, context=False),
+                                 dict(mode="single", n_max=2, adaptive=False, context=False), dict(mode="chain", n_max=3)],
                          ids=["none", "chain-3", "chain-2-ref", "single-2", "chain-3-adapt"])
 @pytest.mark.parametrize("model", ["tiny", "agree"])
 def test_cached_prefix_gives_the_same_output(tiny, agree, model, cfg):
@@ -228,8 +228,8 @@ def test_host_restore_without_room_evicts_then_decodes_afresh(agree):
         assert kept(again)
 
 
-@pytest.mark.parametrize("cfg", [dict(mode="chain", n_max=3, adaptive=False),
-                                 dict(mode="chain", n_max=3, schedule="reference", adaptive=False),
+@pytest.mark.parametrize("cfg", [dict(mode="chain", n_max=3, adaptive=False, context=False),
+                                 dict(mode="chain", n_max=3, schedule="reference", adaptive=False, context=False),
                                  dict(mode="none")], ids=["fused", "reference", "none"])
 def test_slot_save_restore_into_another_engine(agree, tmp_path, cfg):
     """A slot's cache saved to a file (target and heads) and restored into a fresh
@@ -295,8 +295,8 @@ def test_server_slot_actions(agree, tmp_path):
         assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("cfg", [dict(mode="chain", n_max=3, adaptive=False),
-                                 dict(mode="chain", n_max=2, schedule="reference", adaptive=False)],
+@pytest.mark.parametrize("cfg", [dict(mode="chain", n_max=3, adaptive=False, context=False),
+                                 dict(mode="chain", n_max=2, schedule="reference", adaptive=False, context=False)],
                          ids=["fused", "reference"])
 def test_host_memory_keeps_a_conversation_another_one_displaced(agree, cfg):
     """One slot, two conversations taking turns: with --cache-ram the one that lost the
@@ -330,7 +330,7 @@ def test_host_memory_keeps_what_a_shared_prefix_would_lose(agree):
     prompt before any of it is lost)."""
     system = "# shared instructions for every agent\n" * 4
     a, b = system + PROMPT * 4, system + "class Parser:\n    '''Parse it.'''\n" * 4
-    with Engine(agree, n_ctx=2048, cache_ram_mib=64, mode="chain", n_max=3, adaptive=False) as eng:
+    with Engine(agree, n_ctx=2048, cache_ram_mib=64, mode="chain", n_max=3, adaptive=False, context=False) as eng:
         n_system = common_prefix(eng.tokenize(a), eng.tokenize(b))
         assert n_system > 16
         first_a = eng.generate(a, n_predict=N, temperature=0)

@@ -272,7 +272,7 @@ class RoundCosts:
     @property
     def known(self) -> bool:
         """Whether plans can be costed: a verify timed at two row counts, a draft step."""
-        return len(self.verify_t.t) >= 2 and bool(self.step_t.t)
+        return len(self.verify_t.t) >= 2 and (bool(self.step_t.t) or not self.n_draft)
 
     def _fitted(self) -> dict[int, float]:
         """The row counts' estimates made to rise with rows: where a count's estimate is
@@ -353,6 +353,14 @@ class SeqPolicy:
         self.rounds = 0
         #: rows its heads decode before it drafts again (all heads'; the driver's, each round)
         self.behind = 0
+        #: this round's context proposal (the driver's): each token's chance of acceptance
+        #: given the ones before it (``drafters.context.ContextRecord``), or None
+        self.context: list[float] | None = None
+        #: what the plan chose for this round: the heads' drafts (``heads``), the context's
+        #: (``context``: ``n_forced`` of them, no head step), or the context's first
+        #: ``n_forced`` tokens extended by the heads (``extend``)
+        self.use = "heads"
+        self.n_forced = 0
         #: this round: its acceptance per depth as planned, and of the drafts it keeps,
         #: the heads' confidence and the acceptance that makes it (``keep``)
         self._planned: list[float] = []
@@ -419,22 +427,36 @@ class SeqPolicy:
         return True
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
-        """What the round did: drafts, and how many of them were accepted."""
-        if not n_drafted:  # (every round where nothing pays: nothing to record)
+        """What the round did: drafts, and how many of them were accepted. The heads'
+        record takes their drafts alone (a context's tokens are the context record's:
+        the driver's)."""
+        first = self.n_forced
+        if n_drafted <= first:  # (every round where nothing pays: nothing to record)
             self.probed = False
             return
         self.record.fade_to(self.rounds)
         if self.probed and n_accepted and self.holds:
             self.hold = self.HOLD_ROUNDS - 1  # a probe that drafted well: see if it lasts
         self.probed = False
-        for d in range(min(n_drafted, self.planner.n_draft)):
+        if n_accepted < first:
+            return  # a context token was rejected before the heads' drafts
+        for d in range(first, min(n_drafted, self.planner.n_draft)):
             ok = d < n_accepted
             self.record.add(d, ok)
             self.engine.add(d, ok, self.planner.regime_rounds(self.key))
-            if d < len(self._conf):
-                self.engine.confidence.add(d, self._conf[d], ok)
+            if d - first < len(self._conf):
+                self.engine.confidence.add(d, self._conf[d - first], ok)
             if not ok:
                 break  # later drafts were never judged
+
+
+def _expected(accepts: Sequence[float], n: int) -> float:
+    """1 + a_1 + a_1 a_2 + ... over the first n drafts."""
+    e, g = 1.0, 1.0
+    for a in accepts[:n]:
+        g *= a
+        e += g
+    return e
 
 
 def _logit(a: float) -> float:
@@ -574,6 +596,8 @@ class DraftPlanner:
         self._regime_rounds: dict[tuple[float, bool], int] = {}
         self._regime_drafted: dict[tuple[float, bool], int] = {}
         self._quiet_seqs: tuple[SeqPolicy, ...] = ()  # the sequences of the plan that set it
+        #: the most rows a round's verify may carry (the driver's: where rows keep their bits)
+        self.max_rows = 1 << 30
 
     @property
     def rounds(self) -> int:
@@ -631,7 +655,10 @@ class DraftPlanner:
     # -- the plan --------------------------------------------------------------------
 
     def plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
-        """Draft lengths for this round's sequences (``caps``: the most each may draft)."""
+        """Draft lengths for this round's sequences (``caps``: the most the heads may
+        draft for each; a context proposal, ``SeqPolicy.context``, is as long as it may
+        be), the round's verify carrying at most ``max_rows`` rows. Each sequence's
+        ``use`` and ``n_forced`` say what its drafts are."""
         self._rounds += 1
         self.costs = self.costs_for(len(seqs), any(p.samples for p in seqs))
         self.costs.rounds += 1
@@ -639,6 +666,8 @@ class DraftPlanner:
             p.rounds += 1
         self._probing = False
         self._accepts = None
+        for p in seqs:
+            p.use, p.n_forced = "heads", 0
         if not self.costs.known:
             out = self._explore_plan(seqs, caps)
         elif self._quiet_round(seqs):
@@ -653,10 +682,15 @@ class DraftPlanner:
         for j, (p, n) in enumerate(zip(seqs, out)):
             p._planned = self._accepts[j] if self._accepts is not None else []
             p._conf = []
-            p._kept = []
+            # the context's tokens before the heads' drafts: the chance the verify gets past them
+            p._kept = list(p._planned[: p.n_forced]) if p.use == "extend" else []
         for key in {p.key for p in seqs}:
             self._regime_rounds[key] = self._regime_rounds.get(key, 0) + 1
         for p, n in zip(seqs, out):
+            if p.use == "context":
+                p.last = 0  # (the heads did not draft: nothing of theirs to hold on to)
+                p.hold = 0
+                continue
             if n and not self._probing:
                 self._regime_drafted[p.key] = self._regime_rounds[p.key]
             # a probe times a row count in one round, and holds on only when its drafts
@@ -686,7 +720,7 @@ class DraftPlanner:
         """Whether this round drafts nothing without planning (``QUIET_ROUNDS``): the
         last full plan, for the same number of sequences, drafted nothing, none of them
         drafted since nor holds, and no probe is due."""
-        if self._quiet <= 0 or len(seqs) != len(self._quiet_seqs) \
+        if self._quiet <= 0 or len(seqs) != len(self._quiet_seqs) or any(p.context for p in seqs) \
                 or any(p is not q or p.last or p.hold for p, q in zip(seqs, self._quiet_seqs)) \
                 or self._probe_again is not None or self.rounds >= self._next_probe:
             self._quiet = 0
@@ -706,12 +740,76 @@ class DraftPlanner:
             n = self.n_draft
         else:
             n = 0
-        return [min(n, c) if c >= p.n_min else 0 for p, c in zip(seqs, caps)]
+        out = [min(n, c) if c >= p.n_min else 0 for p, c in zip(seqs, caps)]
+        for j, p in enumerate(seqs):
+            # a copy is worth its rows whatever they cost yet: two tokens a round or more
+            if p.context and _expected(p.context, len(p.context)) >= 2.0:
+                p.use, p.n_forced = "context", len(p.context)
+                out[j] = p.n_forced
+        return out
+
+    #: the lengths a context draft is planned at (and any shorter whole proposal): few
+    #: row counts, each timed often enough to be costed (and few graph shapes to keep)
+    CONTEXT_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 62)
+
+    def _choose(self, seqs: Sequence[SeqPolicy], caps: Sequence[int], accepts: list[list[float]],
+                max_rows: int) -> tuple[list[int], float, int]:
+        """Per sequence with a context proposal, what it drafts from: the heads (left to
+        the plan below), the context (its length fixed here: returned), or the context
+        extended by the heads (``accepts`` takes the context's first chances). Each
+        choice by the rate it would give the round alone with the other sequences
+        drafting nothing, on the same verify-cost table as the heads'. Returns the fixed
+        lengths (0 where the plan chooses) and the tokens and rows they add."""
+        costs, N = self.costs, len(seqs)
+        fixed = [0] * N
+        tokens, rows = 0.0, 0
+        steps = [0.0]
+        for d in range(self.n_draft):
+            steps.append(steps[-1] + costs.step(d))
+        plain = 1.0 / costs.verify(N)
+        for j, p in enumerate(seqs):
+            ctx = p.context
+            if not ctx:
+                continue
+            room = max(0, min(len(ctx), max_rows - N - rows))
+            # the heads: their best depth (caught up first if they sat out)
+            resume = self.costs.catch_up(p.behind) / SeqPolicy.HOLD_ROUNDS if p.behind and not p.last else 0.0
+            best, kind, m_best = plain * self.NO_DRAFT_EDGE, "none", 0
+            for n in range(1, min(caps[j], self.n_draft) + 1):
+                r = _expected(accepts[j], n) / (costs.verify(N + n) + steps[n] + resume)
+                if r > best:
+                    best, kind, m_best = r, "heads", n
+            for m in self.CONTEXT_LENGTHS + (room,):
+                if 1 <= m <= room:
+                    r = _expected(ctx, m) / costs.verify(N + m)
+                    if r > best:
+                        best, kind, m_best = r, "context", m
+            # the context's first m tokens, then the heads' drafts from depth m on
+            for m in range(1, min(room, caps[j], self.n_draft)):
+                chain = ctx[:m] + accepts[j][m:]
+                for n in range(m + 1, min(caps[j], self.n_draft) + 1):
+                    r = _expected(chain, n) / (costs.verify(N + n) + steps[n] + resume)
+                    if r > best:
+                        best, kind, m_best = r, "extend", m
+            if kind == "context":
+                p.use, p.n_forced = "context", m_best
+                fixed[j] = m_best
+                tokens += _expected(ctx, m_best) - 1.0
+                rows += m_best
+            elif kind == "extend":
+                p.use, p.n_forced = "extend", m_best
+                accepts[j] = ctx[:m_best] + accepts[j][m_best:]
+        return fixed, tokens, rows
 
     def _best_plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
         costs = self.costs
         N = len(seqs)
         accepts = [p.accept for p in seqs]
+        fixed, fixed_tokens, fixed_rows = self._choose(seqs, caps, accepts, self.max_rows)
+        if fixed_rows:
+            caps = [0 if f else c for c, f in zip(caps, fixed)]
+            # the heads' rows must fit beside the context's
+            caps = [min(c, max(0, self.max_rows - N - fixed_rows)) for c in caps]
         best: tuple[float, int, int] | None = None  # (rate, D, rows)
         options: dict[tuple[int, int], tuple[float, list[int]]] = {}
         step_sum = 0.0
@@ -724,16 +822,16 @@ class DraftPlanner:
             forced, gains = self._gains(seqs, caps, accepts, D)
             if forced is None:
                 continue
-            n = list(forced)
-            tokens = N + sum(sum(g for g, _ in chain[:k]) for chain, k in zip(gains, forced))
-            rows = N + sum(forced)
+            n = [max(k, f) for k, f in zip(forced, fixed)]
+            tokens = N + fixed_tokens + sum(sum(g for g, _ in chain[:k]) for chain, k in zip(gains, forced))
+            rows = N + fixed_rows + sum(forced)
             extra = sum(c for c, k in zip(resume, forced) if k)
             # the next gains in order: largest first across sequences (each sequence's
             # gains shrink with depth, so taking them in order keeps each one a prefix)
             heads = [(chain[k][0], s) for s, (chain, k) in enumerate(zip(gains, forced)) if k < len(chain)]
             while True:
                 rate = tokens / (costs.verify(rows) + step_sum + extra)
-                if D == 0:
+                if D == 0 and not fixed_rows:
                     rate *= edge
                 options[(D, rows)] = (rate, list(n))
                 if best is None or rate > best[0]:
@@ -755,7 +853,7 @@ class DraftPlanner:
         if best is None:
             return [0] * N
         # no drafts, and drafting not even close to paying: the next rounds need no plan
-        plain = options.get((0, N), (0.0,))[0] / edge
+        plain = options.get((0, N), (0.0,))[0] / edge if not fixed_rows else 0.0
         drafting = max((o[0] for k, o in options.items() if k[1] > N), default=0.0)
         quiet = best[2] == N and plain > 0 and drafting < self.QUIET_BELOW * plain
         _, D, rows = best

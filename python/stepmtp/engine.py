@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 
 from .budget import ReasoningBudget
 from .llama import Context, LlamaError, Model, default_threads
+from .drafters.ngram import NgramConfig
 from .mtp import MTPDriver, Mode, Schedule, SpecConfig, Verify
 from .placement import Placement, check_kv_types, numa_init
 from .sampling import SamplingParams
@@ -36,6 +37,11 @@ class Engine:
             ``--spec-draft-model``); by default the heads come from ``model``.
         mode, n_max, n_min, p_min, schedule, verify, adaptive, draft_vocab: speculation
             (see ``SpecConfig``); or pass ``spec``.
+        context, ngram, ngram_config, context_max, pool_tokens: drafting from the context
+            (``SpecConfig``): ours beside the heads (on by default; ``context=False``
+            turns it off), llama-server's n-gram drafters by their ``--spec-type`` names
+            (``ngram=("ngram-mod",)``), the longest context draft, the tokens of earlier
+            requests kept to draft from (per ``pool`` of a request).
         n_ctx: context size (0: the model's). n_batch, n_ubatch: as ``-b``/``-ub``.
         n_threads, n_threads_batch: CPU threads (default: all this process may use).
         n_gpu_layers, n_gpu_layers_draft: layers offloaded, ``"all"`` for all; default
@@ -108,6 +114,11 @@ class Engine:
         verify: Verify = "auto",
         adaptive: bool = True,
         draft_vocab: int = -1,
+        context: bool = True,
+        ngram: Sequence[str] = (),
+        ngram_config: "NgramConfig | None" = None,
+        context_max: int = 62,
+        pool_tokens: int = 1 << 18,
         spec: SpecConfig | None = None,
         n_ctx: int = 4096,
         n_batch: int = 2048,
@@ -148,7 +159,9 @@ class Engine:
         debug: bool = False,
     ) -> None:
         self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule,
-                                       verify=verify, adaptive=adaptive, draft_vocab=draft_vocab)
+                                       verify=verify, adaptive=adaptive, draft_vocab=draft_vocab,
+                                       context=context, ngram=tuple(ngram), ngram_config=ngram_config,
+                                       context_max=context_max, pool_tokens=pool_tokens)
         self.seed = seed
         if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
             raise ValueError(f"n_parallel must be a positive integer, not {n_parallel!r}")

@@ -79,6 +79,9 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from .adaptive import DraftPlanner, SeqPolicy, regime
+from .drafters import PointMass, make_proposers
+from .drafters.context import ContextPool, ContextProposal, ContextRecord, expected_tokens
+from .drafters.ngram import NGRAM_TYPES, NgramConfig
 from .llama import Batch, Context, KVFullError, LlamaError, cpu_only
 from .prompt_cache import Checkpoint, HostPromptCache, SlotState, heads_path, read_heads, write_heads
 from .sampling import DraftShaper, Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
@@ -123,6 +126,15 @@ class SpecConfig:
         driver while more than 1% of the target's tokens fall outside. Their LM head
         is most of what a draft step reads, and a BPE vocabulary's first ids are its
         most frequent tokens; drafts are proposals, so only acceptance can change.
+    context: draft from the context too (``drafters.context``): continuations of the
+        text just written found earlier in the sequence or in the pool of earlier
+        sequences, chosen by the same plan as the heads' drafts. On by default
+        wherever the heads draft.
+    ngram: llama-server's n-gram drafters (``drafters.ngram``), by their ``--spec-type``
+        names, with their settings (``NgramConfig``); they draft without the heads too.
+    context_max: the most tokens a context draft carries (its verify: one row more).
+    pool_tokens: the tokens kept of earlier sequences for context drafting, per pool
+        (0: none kept, each sequence drafts from its own tokens alone).
     """
 
     mode: Mode = "chain"
@@ -133,8 +145,18 @@ class SpecConfig:
     verify: Verify = "auto"
     adaptive: bool = True
     draft_vocab: int = -1
+    context: bool = True
+    ngram: tuple[str, ...] = ()
+    ngram_config: "NgramConfig | None" = None
+    context_max: int = 62
+    pool_tokens: int = 1 << 18
 
     def __post_init__(self) -> None:
+        for t in self.ngram:
+            if t not in NGRAM_TYPES:
+                raise ValueError(f"unknown n-gram drafter {t!r} ({', '.join(NGRAM_TYPES)})")
+        if self.context_max < 0 or self.pool_tokens < 0:
+            raise ValueError("context_max and pool_tokens must be >= 0")
         if self.mode not in ("chain", "single", "none"):
             raise ValueError(f"unknown speculation mode {self.mode!r} (chain, single, none)")
         if self.verify not in ("auto", "exact", "rejection"):
@@ -147,6 +169,11 @@ class SpecConfig:
             raise ValueError("p_min must be in [0, 1]")
         if self.draft_vocab < -1:
             raise ValueError("draft_vocab must be -1 (auto), 0 (the whole vocabulary) or a token count")
+
+    @property
+    def drafts_context(self) -> bool:
+        """Whether context drafts are made (ours with the heads, or llama-server's types)."""
+        return bool(self.ngram) or (self.context and self.mode != "none" and self.n_max > 0 and self.context_max > 0)
 
     def draft_length(self, n_heads: int) -> int:
         if self.mode == "none":
@@ -262,6 +289,17 @@ class SeqState:
     #: the verifier's rows 0..n_masked-1 have the same ones (same prefix, same drafts)
     draft_bits: np.ndarray | None = None
     n_masked: int = 0
+    #: context drafting: each proposer's state for this sequence, the pool it drafts from
+    #: and adds to (a key of the driver's pools; None: its own tokens alone), the tokens
+    #: still wanted (drafts past them are wasted rows; -1: no limit)
+    ctx: list | None = None
+    pool_key: object = None
+    budget: int = -1
+    #: this round's context proposal (and the proposer it came from), and how many of the
+    #: round's drafts come from it (the first ones: point proposals, no head distribution)
+    proposal: "ContextProposal | None" = None
+    proposer: int = -1
+    n_point: int = 0
 
     @property
     def prefilling(self) -> bool:
@@ -423,9 +461,21 @@ class MTPDriver:
         self._emitted = self._outside = 0  # the target's tokens, and those not draftable
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
         self._need_p = spec.p_min > 0 or debug
-        # the draft length of each sequence, chosen each round (None: always n_draft)
-        self.planner = DraftPlanner(self.n_draft) if spec.adaptive and self.speculate and \
-            spec.n_min < self.n_draft else None
+        # context proposers (``drafters``): ours beside the heads, llama-server's n-gram types
+        self.proposers = make_proposers(spec, self.speculate) if spec.drafts_context else []
+        self._ctx_records: dict[tuple[int, tuple[float, bool]], ContextRecord] = {}
+        #: pools of earlier sequences' tokens for context drafting, by the key a request
+        #: names (the server's: its API key)
+        self.pools: dict[object, ContextPool] = {}
+        # a verify's rows keep a one-row decode's bits on the CPU up to 63 rows (patch 0010's
+        # per-row products up to 64 rows; flash attention tiles 64 query rows and more)
+        self.max_verify_rows = min(self.n_chunk, self.MAX_INVARIANT_ROWS) if cpu_only() else self.n_chunk
+        # the draft length of each sequence, chosen each round (None: always n_draft, and a
+        # context proposal whole where it promises two tokens or more)
+        self.planner = DraftPlanner(self.n_draft) if spec.adaptive and (
+            (self.speculate and spec.n_min < self.n_draft) or (self.proposers and not self.speculate)) else None
+        if self.planner is not None:
+            self.planner.max_rows = self.max_verify_rows
         # rejection sampling: what drafts are drawn from, learned per sampling regime
         self._shapers: dict[tuple[float, bool], DraftShaper] = {}
         #: per slot: what its KV holds since its last sequence ended (prompt caching)
@@ -433,6 +483,9 @@ class MTPDriver:
         self._clock = itertools.count(1)
         #: prompts kept in host memory (cache_ram bytes; None: none kept)
         self.host = HostPromptCache(None if cache_ram < 0 else cache_ram) if cache_ram else None
+
+    #: the most rows a verify carries on the CPU (see ``max_verify_rows``)
+    MAX_INVARIANT_ROWS = 63
 
     # -- the draft vocabulary ------------------------------------------------------
 
@@ -556,6 +609,9 @@ class MTPDriver:
         s.checkpoints = []
         s.anchor_from = n_keep
         s.tokens = list(prompt)
+        if self.proposers:
+            pool = self.pool(s.pool_key)
+            s.ctx = [pr.begin(s.tokens, pool) for pr in self.proposers]
         s.pos, s.id_last = 0, -1
         s.pending_h = self._zero_h[0]
         s.stats.n_prompt_cached = s.n_prefilled
@@ -620,6 +676,11 @@ class MTPDriver:
     def finish(self, s: SeqState, *, keep: bool = True) -> None:
         """The sequence ended: keep what its slot's KV holds for the next sequence
         (``keep``), or forget it (the sequence failed: its KV is not trusted)."""
+        if s.ctx is not None:
+            if not s.prefilling:
+                for pr, st in zip(self.proposers, s.ctx):
+                    pr.finish(st)
+            s.ctx = None
         if not keep:
             self.release(s.seq_id)
             return
@@ -930,8 +991,12 @@ class MTPDriver:
             s.n_plan = min(self.n_draft, room)
             s.drafts = []
             s.n_masked = 0
+            s.n_point = 0
+            s.proposal = None
             if s.constraint is not None:
                 s.constraint.begin_round()
+        if self.proposers:
+            self._propose(seqs)
         planned = [s for s in seqs if s.policy is not None]
         if planned:
             if self.fused and self.speculate:
@@ -943,10 +1008,22 @@ class MTPDriver:
                         # every row's hidden state: 16 KB a token at Step-3.5-Flash's width)
                         self._bound_catch_up(s, s.pos + 1)
                     s.policy.behind = sum(min(self.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
-            for s, n in zip(planned, self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])):
+            plan = self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])
+            for s, n in zip(planned, plan):
+                p = s.policy
                 s.n_plan = n
-                if self.fused and n:
+                s.n_point = min(p.n_forced, n) if s.proposal is not None else 0
+                if p.use == "context" or (n and s.n_point == n):
+                    s.n_plan = 0
+                    self._context_drafts(s, n)
+                elif self.fused and n:
                     self._bound_catch_up(s, s.pos + 1)
+                p.n_forced = s.n_point
+        for s in seqs:
+            if s.policy is None and s.proposal is not None and s.n_point:
+                s.n_plan = 0
+                self._context_drafts(s, s.n_point)
+        self._fit_rows(seqs)
         steps: list[float | None] = []
         t1 = time.perf_counter()
         if self.speculate and not self.fused:
@@ -1053,9 +1130,10 @@ class MTPDriver:
                     return s.sampler.draw(p_row(n))
                 return s.sampler.sample(masked_row(n), hist, drafts)
 
-            out = verify_rejection(s.sampler, p_row, drafts, s.q[:n], bonus)
+            q_rows = [PointMass(drafts[i]) if i < s.n_point else s.q[i] for i in range(n)]
+            out = verify_rejection(s.sampler, p_row, drafts, q_rows, bonus)
             if s.shaper is not None:
-                for i in range(min(len(out), n)):  # the draft rows whose p was computed
+                for i in range(s.n_point, min(len(out), n)):  # the heads' rows whose p was computed
                     s.shaper.observe(i, p_rows[i], s.q0[i])
             if c is not None:
                 c.rollback(advanced)
@@ -1091,9 +1169,13 @@ class MTPDriver:
         s.pos = r + a + 1
         if a < n:
             self.target.seq_rm(s.seq_id, s.pos)  # the rejected drafts' KV
-        s.stats.count_round(n, a)
+        s.stats.count_round(n, a, min(n, s.n_point))
         if s.policy is not None:
             s.policy.observe(n, a)
+        if s.n_point:
+            k = min(n, s.n_point)
+            self._ctx_record(s).observe(s.proposal, k, a)
+            self.proposers[s.proposer].accepted(s.ctx[s.proposer], k, min(a, k))
         if s.trace is not None:
             cells = [(d.seq_pos_min(s.seq_id), d.seq_pos_max(s.seq_id)) if d is not None else (-1, -1)
                      for d in self.drafts]
@@ -1117,6 +1199,8 @@ class MTPDriver:
 
     def _end_drafts(self, seqs: list[SeqState]) -> None:
         for s in seqs:
+            if s.n_plan == 0:
+                continue  # (a context draft, made whole before the heads')
             if s.constraint is not None and s.mask_drafts and s.drafts:
                 s.constraint.rollback(len(s.drafts))  # verification advances it again
             if len(s.drafts) < self.spec.n_min:
@@ -1283,6 +1367,99 @@ class MTPDriver:
             self.drafts[k].seq_rm(s.seq_id, s.kv_valid[k])
             s.kv_end[k] = s.kv_valid[k]
 
+    # -- context drafts --------------------------------------------------------------
+
+    def pool(self, key: object) -> ContextPool | None:
+        """The pool of earlier sequences' tokens under ``key`` (None: none kept)."""
+        if not self.spec.pool_tokens:
+            return None
+        p = self.pools.get(key)
+        if p is None:
+            p = self.pools[key] = ContextPool(self.spec.pool_tokens)
+        return p
+
+    def _ctx_record(self, s: SeqState) -> ContextRecord:
+        key = (s.proposer, regime(s.sampler.greedy, s.sampler.params.temperature, s.rejection))
+        r = self._ctx_records.get(key)
+        if r is None:
+            r = self._ctx_records[key] = ContextRecord()
+        return r
+
+    def _propose(self, seqs: list[SeqState]) -> None:
+        """Each sequence's context proposal this round: the one of its proposers that
+        promises the most tokens, with each token's chance of acceptance (for the plan)."""
+        rows = self.max_verify_rows - len(seqs)
+        for s in seqs:
+            cap = min(self.spec.context_max, self.n_ctx_seq - 1 - s.pos, self.n_rows_seq - 1, rows)
+            if s.budget > 0:
+                cap = min(cap, s.budget - 1)  # (tokens past the request's end are wasted rows)
+            best, best_e, best_acc = None, 1.0, None
+            for i, (pr, st) in enumerate(zip(self.proposers, s.ctx)):
+                prop = pr.propose(st, cap) if cap > 0 else None
+                if prop is None:
+                    continue
+                s.proposer = i
+                acc = self._ctx_record(s).accepts(prop)
+                e = expected_tokens(acc, len(acc))
+                if e > best_e:
+                    best, best_e, best_acc = (i, prop), e, acc
+            if best is not None:
+                s.proposer, s.proposal = best
+                # without a plan: the whole proposal where it promises two tokens or more
+                s.n_point = len(s.proposal.tokens) if s.policy is None and best_e >= 2.0 else 0
+            if s.policy is not None:
+                s.policy.context = best_acc
+
+    def _context_drafts(self, s: SeqState, n: int) -> None:
+        """The round's drafts: the proposal's first n tokens, as far as a grammar allows."""
+        toks = s.proposal.tokens[:n]
+        c = s.constraint
+        if c is not None:
+            k = 0
+            for tok in toks:
+                if not c.allowed(tok):
+                    break
+                c.advance(tok)
+                k += 1
+            c.rollback(k)  # (verification advances it again)
+            toks = toks[:k]
+        s.drafts = list(toks)
+        s.n_point = len(toks)
+        if s.policy is not None:
+            s.policy.n_forced = s.n_point
+
+    def _fit_rows(self, seqs: list[SeqState]) -> None:
+        """Context drafts cut so that the round's verify stays within max_verify_rows
+        (the plan keeps to it; a plan-less round may not)."""
+        over = len(seqs) + sum(len(s.drafts) + s.n_plan for s in seqs) - self.max_verify_rows
+        for s in sorted(seqs, key=lambda s: -len(s.drafts)):
+            if over <= 0:
+                break
+            if s.n_plan == 0 and s.drafts:
+                cut = min(over, len(s.drafts))
+                del s.drafts[len(s.drafts) - cut :]
+                s.n_point = len(s.drafts)
+                if s.policy is not None:
+                    s.policy.n_forced = s.n_point
+                over -= cut
+
+    def _take_forced(self, d: Context, s: SeqState, i: int) -> None:
+        """Draft step i takes the context's token at depth i (``extend``): the head's
+        output row chains the next step, the grammar masks it as a head's draft."""
+        tok = s.proposal.tokens[i]
+        h = d.nextn_ith(s.row)
+        c = s.constraint
+        if c is not None and s.mask_drafts:
+            c.fill_bitmask(out=s.draft_bits[i])
+            s.n_masked = i + 1
+            if not c.allowed(tok):
+                s.n_point = i
+                return
+            c.advance(tok)
+        s.probs[i] = 1.0
+        s.drafts.append(tok)
+        s.chain_h[i] = h
+
     # -- shared pieces -------------------------------------------------------------
 
     def _grow_single(self, active: list[SeqState], i: int) -> None:
@@ -1308,6 +1485,9 @@ class MTPDriver:
     def _take_draft(self, d: Context, s: SeqState, i: int) -> None:
         """Take draft token i from the sequence's output row of the last draft
         decode, unless it is below p_min (which ends the sequence's drafting)."""
+        if i < s.n_point:  # the context's token, the head's row to chain the next step from
+            self._take_forced(d, s, i)
+            return
         tok, p, h, conf = self._pick(d, s, i)
         if p < self.spec.p_min:
             return

@@ -148,7 +148,7 @@ class Request:
                  params: SamplingParams, rejection: bool, cache_prompt: bool = True,
                  n_probs: int = 0, post_probs: bool = False, preserved: frozenset[int] = frozenset(),
                  constraint: "ConstraintState | None" = None, mask_drafts: bool = True,
-                 return_progress: bool = False) -> None:
+                 return_progress: bool = False, pool_key: object = None) -> None:
         self.id = next(_task_ids)
         #: report prompt processing as it goes (a progress chunk per prompt decode)
         self.return_progress = return_progress
@@ -161,7 +161,8 @@ class Request:
         self.n_predict = n_predict
         self.params = params
         self.state = SeqState(seq_id=-1, sampler=Sampler(params), rejection=rejection, n_probs=n_probs,
-                              post_probs=post_probs, constraint=constraint, mask_drafts=mask_drafts)
+                              post_probs=post_probs, constraint=constraint, mask_drafts=mask_drafts,
+                              pool_key=pool_key)
         self.probs: list[TokenProbs] = []
         self._unsent_probs: list[TokenProbs] = []
         self.asm = TextAssembler(stop)
@@ -345,6 +346,9 @@ class Slots:
         drv = self.driver
         running = [r for r in self.slots if r is not None and not r.state.prefilling and not r.paused]
         if running:
+            for r in running:
+                # tokens still wanted: drafts past them are rows verified for nothing
+                r.state.budget = r.n_predict - len(r.out_tokens) if r.n_predict > 0 else -1
             states = [r.state for r in running]
             try:
                 outs = drv.round(states)

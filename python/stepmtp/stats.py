@@ -22,6 +22,9 @@ class GenStats:
     n_predicted: int = 0
     n_drafted: int = 0
     n_accepted: int = 0
+    #: of those, the drafts taken from the context (``drafters``: a copy of earlier text)
+    n_drafted_context: int = 0
+    n_accepted_context: int = 0
     drafted_per_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     accepted_per_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     n_rounds: int = 0
@@ -55,12 +58,17 @@ class GenStats:
     def tokens_per_second(self) -> float:
         return 1000.0 * self.n_predicted / self.t_gen_ms if self.t_gen_ms > 0 else 0.0
 
-    def count_round(self, n_drafted: int, n_accepted: int) -> None:
+    def count_round(self, n_drafted: int, n_accepted: int, n_context: int = 0) -> None:
+        """A round's drafts, the first ``n_context`` of them the context's (counted in
+        the totals and in ``*_context``; the depths count the heads' drafts alone)."""
         self.n_rounds += 1
         self.rounds_by_length[min(n_drafted, MAX_DEPTH)] += 1
         self.n_drafted += n_drafted
         self.n_accepted += n_accepted
-        for d in range(min(n_drafted, MAX_DEPTH)):
+        if n_context:
+            self.n_drafted_context += n_context
+            self.n_accepted_context += min(n_accepted, n_context)
+        for d in range(n_context, min(n_drafted, MAX_DEPTH)):
             self.drafted_per_depth[d] += 1
             if d < n_accepted:
                 self.accepted_per_depth[d] += 1

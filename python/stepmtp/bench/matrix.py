@@ -83,7 +83,11 @@ ENTRIES: dict[str, Entry] = {
     **{f"n{n}": _fixed(n) for n in (1, 2, 3)},
     "n3-raw": Entry("n3-raw", ("--spec-type", "draft-mtp", "--no-spec-adaptive"),
                     what="MTP n-max 3 as it was: every round 3 drafts, drawn from the heads' own distribution"),
+    "mtp-noctx": Entry("mtp-noctx", ("--spec-type", "draft-mtp", "--no-spec-context"),
+                       what="MTP at default flags without context drafting (the heads alone)"),
     "cpp-off": Entry("cpp-off", (), cpp=True, what="C++ llama-server, no MTP"),
+    "cpp-ngram": Entry("cpp-ngram", ("--spec-type", "ngram-mod,draft-mtp", "--spec-draft-n-max", "3"), cpp=True,
+                       what="C++ llama-server (MTP3 merged), its n-gram drafter before MTP n-max 3"),
     "cpp-mtp": Entry("cpp-mtp", ("--spec-type", "draft-mtp", "--spec-draft-n-max", "3"), cpp=True,
                      what="C++ llama-server (MTP3 merged), MTP n-max 3"),
 }
