@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..engine import Completion
+from ..slots import Completion
 from ..sampling import SamplingParams, TokenProbs
 from ..stats import GenStats
 
