@@ -136,7 +136,7 @@ def pick_model(files: Sequence[str], repo: str, tag: str = "", filename: str | N
         if filename in files:
             return split_set(files, filename, repo)
         if _is_glob(filename):
-            found = [f for f in files if f.endswith(".gguf")
+            found = [f for f in files if is_model(f)
                      and (fnmatch.fnmatch(f, filename) or fnmatch.fnmatch(f.rsplit("/", 1)[-1], filename))]
             sets = {split_info(f).prefix for f in found}  # type: ignore[union-attr]
             if len(sets) == 1:
@@ -212,8 +212,9 @@ def _hub_error(e: BaseException, repo: str, token: str | None, what: str = "") -
         return HubError(f"{repo} is gated: accept its conditions on its page on the hub with your account, "
                         "then pass that account's token (-hft/--hf-token, HF_TOKEN, or token=)")
     status = getattr(getattr(e, "response", None), "status_code", None)
-    if isinstance(e, HfHubHTTPError) and status in (401, 403) and not isinstance(e, RepositoryNotFoundError) \
-            or isinstance(e, RepositoryNotFoundError) and token and status == 401:
+    # the hub says 401 for a private repository asked without a token (a RepositoryNotFoundError
+    # here), and 401 "invalid credentials" for a bad token
+    if isinstance(e, HfHubHTTPError) and status in (401, 403) and not isinstance(e, RepositoryNotFoundError):
         return HubError(f"the hub refused the token for {repo}: pass a valid token (-hft/--hf-token, HF_TOKEN, "
                         "or token=) that can read it, or none for a public repository")
     if isinstance(e, RepositoryNotFoundError):
@@ -265,11 +266,11 @@ def list_files(repo: str, *, token: str | None = None, cache_dir: str | Path | N
 
 def cached_files(repo: str, cache_dir: str | Path | None = None) -> list[str]:
     """The files of ``repo``'s cached snapshot of its main branch (none: nothing cached)."""
-    from huggingface_hub import scan_cache_dir
+    from huggingface_hub import constants, scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
     try:
-        info = scan_cache_dir(cache_dir)
+        info = scan_cache_dir(cache_dir or constants.HF_HUB_CACHE)
     except CacheNotFound:
         return []
     for r in info.repos:
@@ -311,14 +312,24 @@ class Resolved:
     files: tuple[Path, ...] = ()
 
 
+def _pick(files: list[str], cached: bool, repo: str, tag: str, filename: str | None, heads: bool = False) -> list[str]:
+    try:
+        return pick_model(files, repo, tag, filename, heads=heads)
+    except HubError as e:
+        if not cached:
+            raise
+        raise HubError(f"{e}; only the hub's cache was searched (offline, or the hub out of reach): run once "
+                       "with the network to fetch it") from None
+
+
 def resolve(spec: str, filename: str | None = None, *, token: str | None = None, mtp: bool = False,
             cache_dir: str | Path | None = None, offline: bool | None = None) -> Resolved:
     """The model ``spec`` (``user/repo[:quant]``) names, in the hub's cache: ``filename``
     an exact name, glob or quant (llama-server's ``-hff``); ``mtp``: also the file of MTP
     heads beside the model, when the repository has one (llama-server's sibling)."""
     repo, tag = parse_repo(spec)
-    files, _ = list_files(repo, token=token, cache_dir=cache_dir, offline=offline)
-    chosen = pick_model(files, repo, tag, filename)
+    files, cached = list_files(repo, token=token, cache_dir=cache_dir, offline=offline)
+    chosen = _pick(files, cached, repo, tag, filename)
     heads = pick_mtp(files, chosen[0]) if mtp else None
     paths = download(repo, chosen + ([heads] if heads else []), token=token, cache_dir=cache_dir, offline=offline)
     return Resolved(paths[0], paths[-1] if heads else None, tuple(paths[: len(chosen)]))
@@ -329,8 +340,8 @@ def resolve_heads(spec: str, filename: str | None = None, *, token: str | None =
     """A draft model named on the hub (llama-server's ``-hfd`` / ``-hffd``): as
     ``resolve``, but the repository's MTP heads' files, when it has any, are the models."""
     repo, tag = parse_repo(spec)
-    files, _ = list_files(repo, token=token, cache_dir=cache_dir, offline=offline)
-    chosen = pick_model(files, repo, tag, filename, heads=True)
+    files, cached = list_files(repo, token=token, cache_dir=cache_dir, offline=offline)
+    chosen = _pick(files, cached, repo, tag, filename, heads=True)
     return download(repo, chosen, token=token, cache_dir=cache_dir, offline=offline)[0]
 
 

@@ -151,7 +151,7 @@ class ServerConfig(RequestDefaults):
             return
         from .. import hub
 
-        kw: dict[str, Any] = dict(token=self.hf_token, offline=True if self.offline else None)
+        kw: dict[str, Any] = dict(token=self.hf_token or None, offline=True if self.offline else None)
         named = bool(self.mtp_model or self.hf_repo_draft or self.hf_file_draft)
         if self.hf_repo:
             # llama-server: with -hf, -m names the file in the repository
@@ -160,7 +160,7 @@ class ServerConfig(RequestDefaults):
             if got.mtp is not None:
                 self.mtp_model = str(got.mtp)
         elif self.model_url:
-            self.model = str(hub.fetch_url(self.model_url, self.model, token=self.hf_token))
+            self.model = str(hub.fetch_url(self.model_url, self.model, token=self.hf_token or None))
         if self.speculative and not self.mtp_model and (self.hf_repo_draft or self.hf_file_draft):
             repo = self.hf_repo_draft or self.hf_repo
             if repo is None:
