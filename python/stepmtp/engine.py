@@ -171,6 +171,8 @@ class Engine:
         load_kw: dict[str, Any] = dict(progress=progress, rpc=rpc, use_mmap=use_mmap, use_mlock=use_mlock)
         self._lock = threading.Lock()
         self._closed = False
+        #: the request handling of create_chat_completion / create_completion (api.inprocess), made on first use
+        self._api: Any = None
         self.model = Model(model, n_gpu_layers=n_gpu_layers, placement=place, **load_kw)
         self.draft_model: Model | None = None
         self.target: Context | None = None

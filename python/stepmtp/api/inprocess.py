@@ -25,7 +25,7 @@ __all__ = ["api_of", "chat_completion", "completion"]
 def api_of(eng: Any) -> API:
     """The engine's request handling, made on first use: its defaults are llama-server's
     (``RequestDefaults``, the engine's seed), its model name the model file's path."""
-    api = getattr(eng, "_api", None)
+    api = eng._api
     if api is None:
         mode = eng.spec.mode
         spec = SpecReport("draft-mtp" if mode != "none" else "none", mode if mode != "none" else "chain",

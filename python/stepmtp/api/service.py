@@ -262,7 +262,7 @@ class API:
             g.n_before_user = n_before_user
             g.reasoning_budget = fmt.reasoning_budget
             g.cmpl_id = info.id
-        return ChatJobs(fmt, gens, info, text)
+        return ChatJobs(fmt, gens, info)
 
 
 @dataclass
@@ -287,8 +287,6 @@ class ChatJobs:
     fmt: ChatFormat
     gens: list[GenRequest]
     info: F.ResultInfo
-    #: the rendered prompt
-    prompt: str = ""
 
     def messages(self, results: list[Completion]) -> list[dict[str, Any]]:
         """Each result's assistant message: reasoning, content and tool calls parsed."""
