@@ -469,7 +469,7 @@ def test_forced_call_arguments_validate(stdlib_vocab, seed):
     """A forced Step call decoded from random logits parses into arguments that
     validate against the tool's schema (every constraint kind at once)."""
     from stepmtp.chat.step_format import StepParser
-    from stepmtp.server.chat import tool_call_grammar
+    from stepmtp.api.chat import tool_call_grammar
 
     state = Constraint.compile(stdlib_vocab, "lark", tool_call_grammar([EDIT], "edit", parallel=False)).start()
     text = decode(stdlib_vocab, state, seed)

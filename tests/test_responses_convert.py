@@ -8,7 +8,7 @@ import pytest
 
 from stepmtp.chat.step_format import Delta, ToolCallDelta
 from stepmtp.server import responses as R
-from stepmtp.server.errors import APIError
+from stepmtp.api.errors import APIError
 
 
 def test_a_codex_turn_becomes_chat_messages():

@@ -103,9 +103,9 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running(args: list[str], log_dir: Path):
+def running(args: list[str], log_dir: Path, extra_env: dict[str, str] | None = None):
     """A ServerProcess with ``args``, ready, stopped on exit."""
-    srv = ServerProcess(args, log_dir)
+    srv = ServerProcess(args, log_dir, extra_env)
     try:
         srv.wait_ready()
         yield srv

@@ -11,8 +11,8 @@ import pytest
 
 from stepmtp import Engine
 from stepmtp.server.config import ServerConfig
-from stepmtp.server.errors import APIError
-from stepmtp.server.schemas import CompletionRequest
+from stepmtp.api.errors import APIError
+from stepmtp.api.schemas import CompletionRequest
 from stepmtp.server.service import ClientGone, GenerationService
 from stepmtp.server.state import ServerState
 from stepmtp.server.worker import Channel, Job
@@ -57,9 +57,8 @@ def direct(agree):
 
 def completion_jobs(svc: GenerationService, body: dict, stream: bool = False):
     async def jobs():
-        eng = svc.state.need_engine()
         req = CompletionRequest.model_validate(body)
-        return await svc.prepare(eng, req, await svc.prompt_tokens(eng, req.prompt), stream=stream)
+        return await svc.prepare(req, await svc.prompt_tokens(req.prompt), stream=stream)
     return jobs()
 
 

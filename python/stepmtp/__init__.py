@@ -46,26 +46,16 @@ __all__ = [
 def system_info() -> dict[str, object]:
     """What this build of stepmtp runs on: backend, build flags, llama.cpp commit and
     the patches applied to it."""
-    from .binding import build_info, ensure_backend, ffi, lib
+    from .binding import build_info, ensure_backend, ffi, lib, llama_cpp_commit
     from .placement import buffer_type_names
     from .rpc import _local_devices
 
     ensure_backend()
     info = build_info()
     vendor = info.get("vendor", {})
-    import json
-    from pathlib import Path
-
-    manifest_commit = None
-    here = Path(__file__).resolve().parent
-    # installed beside the package; an editable install runs from the source tree
-    for manifest in (here / "_vendor_manifest.json", here.parents[1] / "vendor" / "manifest.json"):
-        if manifest.exists():
-            manifest_commit = json.loads(manifest.read_text()).get("upstream_commit")
-            break
     return {
         "stepmtp": __version__,
-        "llama_cpp_commit": manifest_commit,
+        "llama_cpp_commit": llama_cpp_commit(),
         "sdist_sha256": vendor.get("sha256"),
         "patches": [name for name, _ in vendor.get("patches", [])],
         # true with the RPC backend alone: RPC servers count as GPUs for offloading

@@ -146,3 +146,15 @@ def build_info() -> dict[str, Any]:
         return json.loads(text)
     except (OSError, ValueError):
         return {}
+
+
+def llama_cpp_commit() -> str | None:
+    """The vendored llama.cpp's upstream commit, from the manifest installed beside the
+    package (an editable install runs from the source tree: vendor/manifest.json)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    for manifest in (here / "_vendor_manifest.json", here.parents[1] / "vendor" / "manifest.json"):
+        if manifest.exists():
+            return json.loads(manifest.read_text()).get("upstream_commit")
+    return None

@@ -184,6 +184,8 @@ class Engine:
         load_kw: dict[str, Any] = dict(progress=progress, rpc=rpc, use_mmap=use_mmap, use_mlock=use_mlock)
         self._lock = threading.Lock()
         self._closed = False
+        #: the request handling of create_chat_completion / create_completion (api.inprocess), made on first use
+        self._api: Any = None
         self.model = Model(model, n_gpu_layers=n_gpu_layers, placement=place, **load_kw)
         self.draft_model: Model | None = None
         self.target: Context | None = None
@@ -236,6 +238,36 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str | None = None, *, mtp_repo_id: str | None = None,
+                        mtp_filename: str | None = None, token: str | None = None,
+                        cache_dir: str | os.PathLike[str] | None = None, local_files_only: bool = False,
+                        **engine_kwargs: Any) -> "Engine":
+        """An engine on a model of the Hugging Face Hub, as llama-cpp-python's
+        ``Llama.from_pretrained`` (and llama-server's ``-hf``) load one: ``repo_id`` is
+        ``user/repo`` or ``user/repo:QUANT``; ``filename`` a file's name, a glob
+        (``"*Q8_0*.gguf"``) or a quant; without either, Q4_K_M, else Q8_0, else the first
+        model. Every shard of a split model is fetched, into the hub's cache (offline
+        once there: ``local_files_only`` or ``HF_HUB_OFFLINE=1``). The MTP heads come
+        from ``mtp_repo_id`` / ``mtp_filename`` when given, else from a heads file
+        beside the model (``mtp-`` in its name) when the repository has one, else from
+        the model itself. ``token``: for private or gated repositories (default:
+        ``HF_TOKEN``). The other keywords are ``Engine``'s. Failures raise
+        ``hub.HubError`` naming what to do."""
+        from .hub import resolve, resolve_heads
+
+        spec = engine_kwargs.get("spec")
+        mode = spec.mode if spec is not None else engine_kwargs.get("mode", "chain")
+        mtp = mode != "none" and engine_kwargs.get("mtp_model") is None
+        named = mtp_repo_id is not None or mtp_filename is not None
+        hub_kw: dict[str, Any] = dict(token=token, cache_dir=cache_dir, offline=True if local_files_only else None)
+        got = resolve(repo_id, filename, mtp=mtp and not named, **hub_kw)
+        if mtp and named:
+            engine_kwargs["mtp_model"] = resolve_heads(mtp_repo_id or repo_id, mtp_filename, **hub_kw)
+        elif got.mtp is not None:
+            engine_kwargs["mtp_model"] = got.mtp
+        return cls(got.model, **engine_kwargs)
 
     # -- lifetime ---------------------------------------------------------------
 
@@ -344,19 +376,22 @@ class Engine:
                sampling: SamplingParams | None = None, verify: Verify | None = None,
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                grammar: Any = None, mask_drafts: bool = True, reasoning_budget: "ReasoningBudget | None" = None,
+               preserve_tokens: Sequence[int] = (), return_progress: bool = False, n_before_user: int = 0,
                **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
-        return value (``StopIteration.value``) is the Completion."""
+        return value (``StopIteration.value``) is the Completion. The arguments after
+        ``reasoning_budget`` are ``submit``'s."""
         return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
-                                            n_probs, post_sampling_probs, grammar=grammar,
-                                            mask_drafts=mask_drafts, reasoning_budget=reasoning_budget))
+                                            n_probs, post_sampling_probs, preserve_tokens, grammar=grammar,
+                                            mask_drafts=mask_drafts, return_progress=return_progress,
+                                            reasoning_budget=reasoning_budget, n_before_user=n_before_user))
 
     def _request(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
                  sampling: SamplingParams | None, sampling_kw: dict[str, Any],
                  verify: Verify | None = None, cache_prompt: bool = True, n_probs: int = 0,
                  post_sampling_probs: bool = False, preserve_tokens: Sequence[int] = (),
                  grammar: Any = None, mask_drafts: bool = True, return_progress: bool = False,
-                 reasoning_budget: "ReasoningBudget | None" = None) -> Request:
+                 reasoning_budget: "ReasoningBudget | None" = None, n_before_user: int = 0) -> Request:
         self._check_open()
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
@@ -399,9 +434,11 @@ class Engine:
                 raise ValueError("a reasoning budget and a grammar in one request are not supported")
             constraint = reasoning_budget.start_state(self.model, self._open_think_block(prompt_tokens,
                                                                                          reasoning_budget))
-        return Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt,
-                       n_probs=n_probs, post_probs=post_sampling_probs, preserved=frozenset(preserve_tokens),
-                       constraint=constraint, mask_drafts=mask_drafts, return_progress=return_progress)
+        req = Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt,
+                      n_probs=n_probs, post_probs=post_sampling_probs, preserved=frozenset(preserve_tokens),
+                      constraint=constraint, mask_drafts=mask_drafts, return_progress=return_progress)
+        req.state.n_before_user = n_before_user
+        return req
 
     def _open_think_block(self, prompt_tokens: list[int], budget: "ReasoningBudget") -> str:
         """The prompt's tail from its last start tag, when no end tag follows it (the
@@ -409,6 +446,85 @@ class Engine:
         tail = self.model.detokenize(prompt_tokens[-64:], unparse_special=True)
         at = tail.rfind(budget.start)
         return tail[at:] if at >= 0 and budget.end not in tail[at:] else ""
+
+    # -- llama-cpp-python's calls: OpenAI's shapes, the server's request handling --------
+
+    def create_chat_completion(
+        self, messages: Sequence[dict[str, Any]], functions: Sequence[dict[str, Any]] | None = None,
+        function_call: str | dict[str, Any] | None = None, tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None, temperature: float = 0.2, top_p: float = 0.95,
+        top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0, stream: bool = False,
+        stop: str | Sequence[str] | None = None, seed: int | None = None,
+        response_format: dict[str, Any] | None = None, max_tokens: int | None = None,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+        tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+        model: str | None = None, logits_processor: Any = None, grammar: str | None = None,
+        logit_bias: dict[int, float] | None = None, logprobs: bool | None = None, top_logprobs: int | None = None,
+        *, reasoning_format: str | None = None, reasoning_budget: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+        **fields: Any,
+    ) -> Any:
+        """An OpenAI chat completion, as llama-cpp-python's ``Llama.create_chat_completion``
+        takes and returns it (its keywords and defaults), answered by the same code as
+        the server's ``/v1/chat/completions``: the GGUF's chat template, Step's tool
+        calls parsed into ``tool_calls`` (``tool_choice`` "required" or a function forces
+        a call that follows its parameters' schema), the thinking in
+        ``reasoning_content``, ``response_format`` json_object / json_schema enforced.
+
+        Returns the response dict (``choices``, ``usage``, ``timings``, ``mtp``: the
+        drafted and accepted counts), or with ``stream=True`` an iterator of chunk dicts
+        (deltas of ``reasoning_content``, ``content`` and ``tool_calls``; the last chunk
+        carries ``usage``, ``timings`` and ``mtp``).
+
+        Ours besides llama-cpp-python's: ``reasoning_format`` ("auto": thinking in
+        ``reasoning_content``, "none": left in ``content``), ``reasoning_budget``
+        (tokens of thinking before its end is forced; 0: none), ``chat_template_kwargs``
+        (template variables, e.g. ``{"enable_thinking": False}``),
+        ``parallel_tool_calls``; and by name any other field of the server's request
+        (``n_probs``, ``ignore_eos``, ``stream_options``, ``reasoning_effort``, ...).
+        Bad input raises ``api.errors.InvalidRequest`` (a ValueError) naming it.
+        """
+        from .api.inprocess import chat_completion
+
+        return chat_completion(self, dict(
+            messages=messages, functions=functions, function_call=function_call, tools=tools,
+            tool_choice=tool_choice, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            typical_p=typical_p, stream=stream, stop=stop, seed=seed, response_format=response_format,
+            max_tokens=max_tokens, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repeat_penalty=repeat_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta, model=model, logits_processor=logits_processor, grammar=grammar,
+            logit_bias=logit_bias, logprobs=logprobs, top_logprobs=top_logprobs,
+            reasoning_format=reasoning_format, reasoning_budget=reasoning_budget,
+            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls), fields)
+
+    def create_completion(
+        self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
+        temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+        logprobs: int | None = None, echo: bool = False, stop: str | Sequence[str] | None = None,
+        frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,
+        top_k: int = 40, stream: bool = False, seed: int | None = None, tfs_z: float = 1.0,
+        mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+        stopping_criteria: Any = None, logits_processor: Any = None, grammar: str | None = None,
+        logit_bias: dict[int, float] | None = None, **fields: Any,
+    ) -> Any:
+        """An OpenAI text completion, as llama-cpp-python's ``Llama.create_completion``
+        takes and returns it, answered by the same code as the server's
+        ``/v1/completions``: the response dict, or chunk dicts with ``stream=True`` (the
+        last with ``usage``, ``timings`` and ``mtp``). ``logprobs=N``: each token's and
+        the N most likely tokens' log-probabilities, in llama-server's shape
+        (``{"content": [...]}``). ``suffix`` and ``echo`` are refused. Other server
+        request fields by name (``n_probs``, ``ignore_eos``, ``json_schema``, ...)."""
+        from .api.inprocess import completion
+
+        return completion(self, dict(
+            prompt=prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            min_p=min_p, typical_p=typical_p, logprobs=logprobs, echo=echo or None, stop=stop,
+            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, repeat_penalty=repeat_penalty,
+            top_k=top_k, stream=stream, seed=seed, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+            mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model, stopping_criteria=stopping_criteria,
+            logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias), fields)
+
+    __call__ = create_completion
 
     def submit(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                sampling: SamplingParams | None = None, verify: Verify | None = None,
@@ -428,8 +544,7 @@ class Engine:
         (the same pieces give the same logits)."""
         req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                             n_probs, post_sampling_probs, preserve_tokens, grammar, mask_drafts,
-                            return_progress, reasoning_budget)
-        req.state.n_before_user = n_before_user
+                            return_progress, reasoning_budget, n_before_user)
         self.slots.submit(req)
         return req
 

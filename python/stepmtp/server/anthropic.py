@@ -11,7 +11,7 @@ from typing import Any
 
 from ..chat.step_format import Delta
 from ..engine import Completion
-from .errors import bad_request
+from ..api.errors import bad_request
 
 __all__ = ["to_openai", "message_json", "Events"]
 

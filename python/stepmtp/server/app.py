@@ -27,10 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..engine import Engine
 from .config import ServerConfig
-from .errors import APIError, error_body
+from ..api.errors import APIError, error_body
 from .middleware import GateMiddleware, HeadersMiddleware
 from .routes import admin, anthropic, native, openai, responses
-from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OAICompletionRequest,
+from ..api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OAICompletionRequest,
                       TokenizeRequest, format_validation_error)
 from .service import ClientGone, GenerationService
 from .state import ServerState

@@ -403,8 +403,33 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--template-max-chars", metavar="N", dest="template_max_chars", type=_int, default=4 << 20,
         help="ours: a rendered prompt longer than this is a 400 (default: 4194304)")
 
+    _hub_flags(ap)
     _compat_flags(ap)
     return ap
+
+
+def _hub_flags(ap: argparse.ArgumentParser) -> None:
+    """llama-server's models by name (Hugging Face Hub) and by URL, fetched by huggingface_hub."""
+    g = ap.add_argument_group("models from the Hugging Face Hub (into its cache; HF_ENDPOINT, HF_HOME, "
+                              "HF_HUB_OFFLINE apply)")
+    add(g, "-hf", "-hfr", "--hf-repo", metavar="<user>/<model>[:quant]", dest="hf_repo", env="LLAMA_ARG_HF_REPO",
+        help="the model's repository; quant is optional, case-insensitive, default Q4_K_M, else Q8_0, else the "
+             "first model file; every shard of a split model is fetched; with --spec-type draft-mtp a file of "
+             "MTP heads beside it (mtp- in its name) is the draft model unless one is named")
+    add(g, "-hff", "--hf-file", metavar="FILE", dest="hf_file", env="LLAMA_ARG_HF_FILE",
+        help="the model's file in the repository (overrides the quant in --hf-repo)")
+    add(g, "-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf", metavar="<user>/<model>[:quant]",
+        dest="hf_repo_draft", env="LLAMA_ARG_SPEC_DRAFT_HF_REPO",
+        help="as --hf-repo, for the draft (MTP heads) model")
+    add(g, "-hffd", "--hf-file-draft", metavar="FILE", dest="hf_file_draft", env="LLAMA_ARG_HF_FILE_DRAFT",
+        help="the draft (MTP heads) model's file in --hf-repo-draft's repository (or --hf-repo's)")
+    add(g, "-hft", "--hf-token", metavar="TOKEN", dest="hf_token", env="HF_TOKEN",
+        help="Hugging Face access token, for private and gated repositories (default: HF_TOKEN)")
+    add(g, "--offline", dest="offline", action="store_true", env="LLAMA_OFFLINE",
+        help="no network: models from the hub's cache only (as HF_HUB_OFFLINE=1)")
+    add(g, "-mu", "--model-url", metavar="MODEL_URL", dest="model_url", env="LLAMA_ARG_MODEL_URL",
+        help="the model at a URL (every shard of a split one), saved as -m or in LLAMA_CACHE "
+             "(default ~/.cache/llama.cpp); a hub URL goes to the hub's cache")
 
 
 def _placement_flags(ap: argparse.ArgumentParser) -> None:
@@ -474,8 +499,6 @@ def _compat_flags(ap: argparse.ArgumentParser) -> None:
     add(g, "--media-path", metavar="PATH", dest="_media_path",
         help="local media for multimodal requests: this server and Step-3.5-Flash take text only (media "
              "parts are a 400)")
-    add(g, "--offline", dest="_offline", action="store_true", env="LLAMA_OFFLINE",
-        help="this server never downloads anything: always offline")
     add(g, "--tags", metavar="STRING", dest="_tags", env="LLAMA_ARG_TAGS",
         help="model tags, informational (not used)")
     add(g, "--slots", dest="endpoint_slots", action="store_const", const=True, default=True,
@@ -566,7 +589,9 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
     from ..llama import shard_paths
 
     # -m names a model's first shard: llama.cpp loads the others from its name
-    for what, fname in (("model", a.model), ("draft (MTP) model", a.mtp_model)):
+    # (with -hf, -m is the repository's file; with -mu, where the download goes)
+    local_model = None if a.hf_repo or a.model_url else a.model
+    for what, fname in (("model", local_model), ("draft (MTP) model", a.mtp_model)):
         for shard in shard_paths(fname) if fname is not None else ():
             check(shard.is_file(), f"{what} file not found: {shard}")
     placement, placement_draft = _placement(a)
@@ -671,7 +696,16 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         template_timeout=a.template_timeout,
         template_max_chars=a.template_max_chars,
         **{dest: getattr(a, dest) for _, _, dest, _, _ in LIMIT_FLAGS},
+        **_hub_config(a),
     )
+
+
+def _hub_config(a: argparse.Namespace) -> dict[str, Any]:
+    """The -hf flags' ServerConfig fields."""
+    if a.hf_file_draft and not (a.hf_repo_draft or a.hf_repo):
+        raise ArgError("-hffd/--hf-file-draft names a file of a repository: give -hfd or -hf too")
+    return dict(hf_repo=a.hf_repo, hf_file=a.hf_file, hf_repo_draft=a.hf_repo_draft, hf_file_draft=a.hf_file_draft,
+                hf_token=a.hf_token, model_url=a.model_url, offline=a.offline)
 
 
 def _placement(a: argparse.Namespace) -> tuple[Any, Any]:
@@ -724,7 +758,12 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[..., Any
 
     state = ServerState(cfg, engine_factory)
     app = create_app(cfg, state=state)
-    if cfg.model is None:
+    if cfg.hf_repo or cfg.model_url or cfg.hf_repo_draft:
+        if not sys.stderr.isatty():  # a log line per file, not bars, in a log
+            from ..hub import quiet_progress
+
+            quiet_progress()
+    elif cfg.model is None:
         log.info("no -m given: serving the bundled default model")
     if cfg.mtp_model and not cfg.speculative:
         log.warning("--spec-draft-model is ignored without --spec-type draft-mtp")

@@ -6,14 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..sampling import SamplingParams
+from ..api.defaults import DEFAULT_SEED, RequestDefaults
 
 if TYPE_CHECKING:
     from ..engine import Engine
     from ..placement import Placement
-
-#: llama.cpp's LLAMA_DEFAULT_SEED: "a random seed", as llama-server reports it
-DEFAULT_SEED = 0xFFFFFFFF
 
 SpecType = Literal["draft-mtp", "none"]
 MTPMode = Literal["chain", "single"]
@@ -27,8 +24,9 @@ def default_model_path() -> Path:
 
 
 @dataclass
-class ServerConfig:
-    """The server's settings, named after llama-server's flags."""
+class ServerConfig(RequestDefaults):
+    """The server's settings, named after llama-server's flags (a request's defaults
+    and bounds in ``RequestDefaults``)."""
 
     #: -m; None: the bundled default model (``default_model_path``)
     model: str | None = None
@@ -94,41 +92,30 @@ class ServerConfig:
     use_mlock: bool = False
     #: --numa: distribute, isolate, numactl (None: ggml's default)
     numa: str | None = None
-    #: --seed; -1 (or 4294967295): random
-    seed: int = -1
-    #: -n: n_predict of a request that gives none; -1: no limit
-    n_predict: int = -1
-    #: default sampling of a request (--temp, --top-k, ...)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
     host: str = "127.0.0.1"
     port: int = 8080
     api_keys: list[str] = field(default_factory=list)
     #: -a/--alias, in the order given
     aliases: list[str] = field(default_factory=list)
+    #: -hf / -hff: the model by name on the Hugging Face Hub (user/repo[:quant], a file of it)
+    hf_repo: str | None = None
+    hf_file: str | None = None
+    #: -hfd / -hffd: the draft (MTP heads) model by name (default with -hf: a heads file beside the model)
+    hf_repo_draft: str | None = None
+    hf_file_draft: str | None = None
+    #: -hft / HF_TOKEN: the hub's access token (None: huggingface_hub's, HF_TOKEN)
+    hf_token: str | None = None
+    #: -mu: the model at a URL
+    model_url: str | None = None
+    #: --offline: models from the hub's cache only (as HF_HUB_OFFLINE=1)
+    offline: bool = False
     verbose: bool = False
-    #: --jinja / --no-jinja: jinja templates, or llama.cpp's built-in ones
-    use_jinja: bool = True
-    #: --chat-template / --chat-template-file: a jinja template or a built-in name; None: the model's
-    chat_template: str | None = None
-    #: --chat-template-kwargs: template variables for every request (a request's own win)
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    #: most top tokens a request may ask probabilities for (n_probs, top_logprobs)
-    max_n_probs: int = 100
-    #: request limits (past them: 413 for the body, 400 for the rest, 503 for the queue)
+    #: request limits past RequestDefaults' (past them: 413 for the body, 503 for the queue)
     max_body_bytes: int = 32 << 20
-    max_prompts: int = 64
-    max_stop: int = 32
-    max_stop_len: int = 1024
-    max_logit_bias: int = 4096
     #: requests waiting for a slot at most (-1: no bound)
     max_queue: int = 256
     #: --tags: the model's tags, listed by /models
     tags: list[str] = field(default_factory=list)
-    #: --reasoning-format: none (all in content), deepseek / auto (thoughts in reasoning_content)
-    reasoning_format: str = "auto"
-    #: --reasoning-budget: -1 no limit, 0 no thinking (the opened <think> is closed in the prompt)
-    reasoning_budget: int = -1
-    reasoning_budget_message: str = ""
     #: bounds of one template rendering (seconds, characters of output)
     template_timeout: float = 5.0
     template_max_chars: int = 4 << 20
@@ -157,26 +144,39 @@ class ServerConfig:
             return self.kv_unified
         return self.n_parallel < 0
 
-    @property
-    def seed_u32(self) -> int:
-        return DEFAULT_SEED if self.seed < 0 else self.seed & 0xFFFFFFFF
+    def fetch_models(self) -> None:
+        """-hf / -hfd / -mu: the models fetched (into the hub's cache: ``hub``), then ``model``
+        and ``mtp_model`` point at their local files (llama-server's common_params_handle_models)."""
+        if not (self.hf_repo or self.model_url or self.hf_repo_draft or self.hf_file_draft):
+            return
+        from .. import hub
 
-    def chat_template_source(self) -> str | None:
-        """The jinja template to render instead of the model's (None: the model's)."""
-        if self.chat_template == "chatml":
-            from ..chat import CHATML_TEMPLATE
-
-            return CHATML_TEMPLATE
-        return self.chat_template
+        kw: dict[str, Any] = dict(token=self.hf_token or None, offline=True if self.offline else None)
+        named = bool(self.mtp_model or self.hf_repo_draft or self.hf_file_draft)
+        if self.hf_repo:
+            # llama-server: with -hf, -m names the file in the repository
+            got = hub.resolve(self.hf_repo, self.hf_file or self.model, mtp=self.speculative and not named, **kw)
+            self.model = str(got.model)
+            if got.mtp is not None:
+                self.mtp_model = str(got.mtp)
+        elif self.model_url:
+            self.model = str(hub.fetch_url(self.model_url, self.model, token=self.hf_token or None))
+        if self.speculative and not self.mtp_model and (self.hf_repo_draft or self.hf_file_draft):
+            repo = self.hf_repo_draft or self.hf_repo
+            if repo is None:
+                raise hub.HubError("-hffd names a file of a repository: give the repository too (-hfd or -hf)")
+            self.mtp_model = str(hub.resolve_heads(repo, self.hf_file_draft, **kw))
 
     def model_path(self) -> Path:
         return Path(self.model) if self.model else default_model_path()
 
     def model_name(self, path: Path | None = None) -> str:
         """What responses call the model: llama-server takes the first alias (its
-        aliases are a sorted set), else the -m path as given."""
+        aliases are a sorted set), else the -hf repository, else the -m path as given."""
         if self.aliases:
             return sorted(self.aliases)[0]
+        if self.hf_repo:
+            return self.hf_repo
         return self.model if self.model else str(path or self.model_path())
 
     def load_engine(self, path: Path | None = None) -> "Engine":

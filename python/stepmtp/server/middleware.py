@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import error_body
+from ..api.errors import error_body
 from .state import ServerState
 
 log = logging.getLogger("stepmtp.server")

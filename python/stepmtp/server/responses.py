@@ -19,8 +19,8 @@ from typing import Any
 
 from ..chat.step_format import Delta
 from ..engine import Completion
-from . import formats as F
-from .errors import bad_request
+from ..api import formats as F
+from ..api.errors import bad_request
 
 __all__ = ["to_openai", "response_json", "Events"]
 

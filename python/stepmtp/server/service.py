@@ -1,8 +1,9 @@
-"""The generation service the routers share: a request's settings and prompts become
-the worker's generations (``prepare``, ``chat_jobs``), then results (``results``) or
-a stream (``start``, then ``stream_events`` with the API's emitters). It holds what
-every route needs (the state and the configuration) and knows nothing of HTTP beyond
-a client that may leave (``ClientGone``, answered 499).
+"""The generation service the routers share: a request becomes the worker's
+generations through the shared request handling (``api.service.API``: ``prepare``,
+``chat_jobs``, run here off the event loop where it may block), then results
+(``results``) or a stream (``start``, then ``stream_events`` with the API's chunks). It
+holds what every route needs (the state and the configuration) and knows nothing of
+HTTP beyond a client that may leave (``ClientGone``, answered 499).
 """
 from __future__ import annotations
 
@@ -12,17 +13,15 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from starlette.concurrency import run_in_threadpool
 
-from ..chat import user_turn_start
-from ..chat.prompt import chat_prompt
-from ..engine import Completion, Engine
-from ..sampling import SamplingParams
-from . import formats as F
-from .chat import ChatFormat
-from .config import DEFAULT_SEED, ServerConfig
-from .errors import APIError, bad_request, error_body
-from .schemas import ChatCompletionRequest, GenerationFields, PromptPieces
+from ..api import formats as F
+from ..api.chat import ChatFormat
+from ..api.errors import APIError, bad_request, error_body
+from ..api.schemas import ChatCompletionRequest, GenerationFields, PromptPieces
+from ..api.service import API, ChatChunks, ChatJobs, CompletionChunks, CompletionJobs, GenRequest, pieces_size
+from ..engine import Completion
+from .config import ServerConfig
 from .state import ServerState
-from .worker import Cancelled, Channel, GenRequest, Job
+from .worker import Cancelled, Channel, Job
 
 #: how often a waiting non-streamed request checks that its client is still there
 DISCONNECT_POLL_S = 0.25
@@ -53,122 +52,45 @@ class GenerationService:
         self.state = state
         self.cfg: ServerConfig = state.cfg
 
-    async def prepare(self, eng: Engine, req: GenerationFields, prompts: list[list[int]], *, stream: bool,
+    @property
+    def api(self) -> API:
+        """The shared request handling of the loaded engine (a 503 while it loads)."""
+        return self.state.need_api()
+
+    async def prepare(self, req: GenerationFields, prompts: list[list[int]], *, stream: bool,
                       grammar: tuple[str, Any] | None = None) -> tuple[list[GenRequest], F.Settings]:
-        """Resolve a request's settings and check its prompts; every client error is a 400 here."""
-        cfg = self.cfg
-        bad = req.unsupported()
-        if bad:
-            raise bad_request(f"not supported by this server: {', '.join(bad)}")
-        if len(prompts) > cfg.max_prompts:
-            raise bad_request(f"{len(prompts)} prompts in one request; at most {cfg.max_prompts} (--max-prompts)")
-        if len(req.stop) > cfg.max_stop:
-            raise bad_request(f"{len(req.stop)} stop strings; at most {cfg.max_stop} (--max-stop)")
-        if any(len(x) > cfg.max_stop_len for x in req.stop):
-            raise bad_request(f"a stop string is longer than {cfg.max_stop_len} characters (--max-stop-length)")
-        if len(req.logit_bias) > cfg.max_logit_bias:
-            raise bad_request(f"{len(req.logit_bias)} logit_bias entries; at most {cfg.max_logit_bias} "
-                              "(--max-logit-bias)")
-        n_cmpl = req.n_cmpl if req.n_cmpl is not None else (req.n if req.n is not None else 1)
-        if n_cmpl > cfg.total_slots:
-            raise bad_request(f"n_cmpl (n) must be between 1 and {cfg.total_slots} (the server's -np)")
-        if stream and len(prompts) * n_cmpl > 1:
-            raise bad_request("streaming supports one prompt and n = 1")
-        try:
-            n_probs = req.requested_n_probs()
-        except ValueError as e:
-            raise bad_request(str(e)) from None
-        if n_probs > cfg.max_n_probs:
-            raise bad_request(f"n_probs (top_logprobs) must be at most {cfg.max_n_probs}")
-        try:
-            spec = grammar or req.requested_grammar()
-        except ValueError as e:
-            raise bad_request(str(e)) from None
-        grammar = None
-        if spec is not None:
-            from ..grammar import Constraint
+        """``API.prepare``: off the event loop when a grammar is to be compiled."""
+        return await off_loop(INLINE_LIMIT if grammar or _wants_grammar(req) else 0, self.api.prepare, req, prompts,
+                              stream=stream, grammar=grammar)
 
-            try:
-                grammar = await run_in_threadpool(Constraint.compile, eng.model, *spec)
-            except ValueError as e:
-                raise bad_request(f"invalid grammar: {e}") from None
-        # llama-server: -n is the default for a request that gives no limit of its own
-        n_predict = req.requested_n_predict()
-        n_predict = cfg.n_predict if n_predict is None else n_predict
-        sampling, seed_shown = self.resolve_sampling(eng, req)
-        for toks in prompts:
-            if not toks:
-                raise bad_request("the prompt is empty")
-            check_tokens(eng, toks)
-            if len(toks) >= eng.n_ctx:
-                raise APIError(f"request ({len(toks)} tokens) exceeds the available context size "
-                               f"({eng.n_ctx} tokens), try increasing it", "exceed_context_size_error",
-                               n_prompt_tokens=len(toks), n_ctx=eng.n_ctx)
-        gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream, req.cache_prompt,
-                           n_probs, req.post_sampling_probs, grammar=grammar,
-                           return_progress=stream and req.return_progress)
-                for toks in prompts for _ in range(n_cmpl)]
-        settings = F.Settings(
-            sampling=sampling, seed=seed_shown, n_predict=n_predict, stop=list(req.stop), stream=stream,
-            ignore_eos=req.ignore_eos, logit_bias=[(t, None if b == float("-inf") else b)
-                                                   for t, b in sampling.logit_bias.items()],
-            spec_type=cfg.spec_type, n_max=cfg.n_max, n_min=cfg.n_min, p_min=cfg.p_min, mtp_mode=cfg.mtp_mode,
-            n_probs=n_probs, post_sampling_probs=req.post_sampling_probs,
-        )
-        return gens, settings
+    async def prompt_tokens(self, prompts: list[PromptPieces]) -> list[list[int]]:
+        """A completion request's prompts as token ids, llama-server's way (``API.prompt_tokens``)."""
+        return await off_loop(sum(map(pieces_size, prompts)), self.api.prompt_tokens, prompts)
 
-    def resolve_sampling(self, eng: Engine, req: GenerationFields) -> tuple[SamplingParams, int]:
-        cfg, st = self.cfg, self.state
-        base = cfg.sampling
-        kw: dict[str, Any] = {}
-        if req.temperature is not None:
-            kw["temperature"] = max(0.0, req.temperature)
-        if req.top_k is not None:
-            kw["top_k"] = max(0, req.top_k)
-        if req.top_p is not None:
-            kw["top_p"] = min(1.0, max(0.0, req.top_p))
-        if req.min_p is not None:
-            kw["min_p"] = min(1.0, max(0.0, req.min_p))
-        for name in ("repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "typical_p",
-                     "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
-                     "min_keep"):
-            v = getattr(req, name)
-            if v is not None:
-                kw[name] = v
-        order = req.requested_samplers()
-        if order is not None:
-            kw["samplers"] = order
-        seed_shown = cfg.seed_u32
-        if req.seed is not None and req.seed != -1 and (req.seed & 0xFFFFFFFF) != DEFAULT_SEED:
-            kw["seed"] = req.seed & 0xFFFFFFFF
-            seed_shown = kw["seed"]
-        bias: dict[int, float] = {}
-        for key, b in req.logit_bias:
-            value = float("-inf") if b is None else b
-            ids = [key] if isinstance(key, int) else eng.tokenize(key, add_special=False, parse_special=False)
-            for t in ids:
-                if 0 <= t < eng.model.n_vocab:  # llama-server ignores the others
-                    bias[t] = value
-        if req.ignore_eos:
-            for t in st.eog_tokens:
-                bias[t] = float("-inf")
-        if bias:
-            kw["logit_bias"] = bias
-        try:
-            return base.with_(**kw), seed_shown
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+    async def completion_jobs(self, req: GenerationFields, prompts: list[PromptPieces], *,
+                              stream: bool) -> CompletionJobs:
+        gens, settings = await self.prepare(req, await self.prompt_tokens(prompts), stream=stream)
+        return CompletionJobs(gens, self.api.result_info(settings))
 
-    async def prompt_tokens(self, eng: Engine, prompts: list[PromptPieces]) -> list[list[int]]:
-        """A completion request's prompts as token ids, llama-server's way (``tokenize_pieces``)."""
-        return await off_loop(sum(map(pieces_size, prompts)),
-                              lambda: [tokenize_pieces(eng, p, True, True) for p in prompts])
+    def sse_chunks(self, job: Job, items: list[tuple[str, Any]],
+                   chunks: ChatChunks | CompletionChunks) -> AsyncIterator[str]:
+        """``stream_events`` for the API's OpenAI chunks: each chunk an event, ``[DONE]`` last."""
+        return self.stream_events(job, items, lambda ch: [F.sse(d) for d in chunks.chunk(ch)],
+                                  lambda c: [F.sse(d) for d in chunks.done(c)], done_marker=True,
+                                  progress=lambda p: chunks.progress())
 
-    def result_info(self, eng: Engine, settings: F.Settings) -> F.ResultInfo:
-        st = self.state
-        return F.ResultInfo(model=st.model_name, n_ctx=eng.n_ctx, settings=settings, mtp_mode=st.mtp_mode(),
-                            n_heads=eng.n_heads, n_draft=st.n_draft, id=F.completion_id(),
-                            created=int(time.time()), piece=eng.model.token_to_piece)
+    async def chat_prompt(self, req: ChatCompletionRequest) -> tuple[ChatFormat, str]:
+        """The prompt for a chat request, and how to read its output back (rendered in
+        the template sandbox: never on the event loop)."""
+        return await run_in_threadpool(self.api.chat_prompt, req)
+
+    async def chat_tokens(self, req: ChatCompletionRequest) -> tuple[ChatFormat, str, list[int]]:
+        """A chat request's prompt (text and tokens), and how to read its output back."""
+        return await run_in_threadpool(self.api.chat_tokens, req)
+
+    async def chat_jobs(self, req: ChatCompletionRequest) -> ChatJobs:
+        """A chat request's generations, ready to submit, and how to read them back."""
+        return await run_in_threadpool(self.api.chat_jobs, req)
 
     def submit(self, gen: GenRequest) -> Job:
         cfg, st = self.cfg, self.state
@@ -273,44 +195,6 @@ class GenerationService:
                 last_flush = time.perf_counter()
             items = await job.channel.get()
 
-    async def chat_prompt(self, eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str]:
-        """The prompt for a chat request, and how to read its output back."""
-        return await chat_prompt(eng, req, self.cfg, self.state.templates, self.state.preserved)
-
-    async def chat_tokens(self, eng: Engine, req: ChatCompletionRequest) -> tuple[ChatFormat, str, list[int]]:
-        """A chat request's prompt (text and tokens), and how to read its output back."""
-        fmt, text = await self.chat_prompt(eng, req)
-        return fmt, text, await off_loop(len(text), eng.tokenize, text, add_special=True, parse_special=True)
-
-    async def tokens_before_user(self, eng: Engine, text: str) -> int:
-        """llama-server's n_before_user: a chat prompt's tokens before its latest user
-        message, where the latest user turn opens (0: none, or a --no-jinja template)."""
-        st = self.state
-        if not st.cfg.use_jinja:
-            return 0
-        start = await run_in_threadpool(user_turn_start, eng.model, st.cfg.chat_template_source(),
-                                        sandbox=st.templates)  # rendered once per template
-        pos = text.rfind(start) if start else -1
-        if pos < 0:
-            return 0
-        return len(await off_loop(pos, eng.tokenize, text[:pos], add_special=True, parse_special=True))
-
-    async def chat_jobs(self, eng: Engine, req: ChatCompletionRequest
-                        ) -> tuple[ChatFormat, list[GenRequest], F.ResultInfo]:
-        """A chat request's generations, ready to submit, and how to read them back."""
-        fmt, text, toks = await self.chat_tokens(eng, req)
-        gens, settings = await self.prepare(eng, req, [toks], stream=req.stream,
-                                            grammar=("lark", fmt.grammar) if fmt.grammar else None)
-        n_before_user = await self.tokens_before_user(eng, text)
-        settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
-        info = self.result_info(eng, settings)
-        for g in gens:
-            g.preserved = fmt.preserved
-            g.n_before_user = n_before_user
-            g.reasoning_budget = fmt.reasoning_budget
-            g.cmpl_id = info.id
-        return fmt, gens, info
-
 
 def _raise_job_error(err: BaseException) -> None:
     if isinstance(err, Cancelled):
@@ -327,32 +211,15 @@ def default_settings(st: ServerState) -> F.Settings:
                       mtp_mode=cfg.mtp_mode)
 
 
+def _wants_grammar(req: GenerationFields) -> bool:
+    try:
+        return req.requested_grammar() is not None
+    except ValueError:  # prepare says so
+        return False
+
+
 async def off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``: in the thread pool when the input is large, else right here."""
     if size >= INLINE_LIMIT:
         return await run_in_threadpool(fn, *args, **kwargs)
     return fn(*args, **kwargs)
-
-
-def pieces_size(pieces: PromptPieces) -> int:
-    return sum(len(p) if isinstance(p, str) else 1 for p in pieces)
-
-
-def tokenize_pieces(eng: Engine, pieces: PromptPieces, add_special: bool, parse_special: bool) -> list[int]:
-    """llama-server's tokenize_mixed(): strings tokenized (special tokens added only
-    when the first piece is a string), token ids kept."""
-    out: list[int] = []
-    for i, p in enumerate(pieces):
-        if isinstance(p, str):
-            out.extend(eng.tokenize(p, add_special=add_special and i == 0, parse_special=parse_special))
-        else:
-            out.append(p)
-    return out
-
-
-def check_tokens(eng: Engine, tokens: list[int]) -> None:
-    n = eng.model.n_vocab
-    for t in tokens:
-        if not 0 <= t < n:
-            raise bad_request(f"token id {t} is out of range [0, {n})")
-

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..api.errors import APIError
+from ..api.service import API, SpecReport
 from ..chat.sandbox import TemplateSandbox
 from ..engine import Completion, Engine
-from .chat import preserved_tokens
 from .config import ServerConfig
-from .errors import APIError
 from .metrics import Metrics
 from .worker import Cancelled, Job, Worker
 
@@ -31,10 +31,9 @@ class ServerState:
         self.worker: Worker | None = None
         self.metrics = Metrics()
         self.model_path: Path | None = None
-        self.model_name = cfg.model_name() if cfg.model or cfg.aliases else "stepmtp-default"
-        self.eog_tokens: list[int] = []
-        #: the chat format's marker tokens, kept as text in chat output
-        self.preserved: frozenset[int] = frozenset()
+        self.model_name = cfg.model_name() if cfg.model or cfg.aliases or cfg.hf_repo else "stepmtp-default"
+        #: the request handling the routes share with ``Engine.create_chat_completion``
+        self.api: API | None = None
         self.n_draft = 0
         self.memory: dict[str, dict[str, int]] = {}
         #: called (from the loading thread) when the model cannot be loaded: stops the server
@@ -49,6 +48,7 @@ class ServerState:
     def load(self) -> None:
         cfg = self.cfg
         try:
+            cfg.fetch_models()  # -hf, -mu: fetched (or found in the cache) first
             path = cfg.model_path()
             self.model_path = path
             self.model_name = cfg.model_name(path)
@@ -58,8 +58,9 @@ class ServerState:
             engine = self.engine_factory(path)
             self.engine = engine
             m = engine.model
-            self.eog_tokens = [t for t in range(m.n_vocab) if m.is_eog(t)]
-            self.preserved = preserved_tokens(m)
+            self.api = API(engine, cfg, model_name=self.model_name, templates=self.templates,
+                           mtp_mode=self.mtp_mode(),
+                           spec=SpecReport(cfg.spec_type, cfg.mtp_mode, cfg.n_max, cfg.n_min, cfg.p_min))
             from ..grammar import vocabulary
 
             vocabulary(m)  # the grammar backend's view of the vocabulary: built once, at load
@@ -131,6 +132,11 @@ class ServerState:
         if not self.ready.is_set() or self.engine is None:
             raise APIError("Loading model", "unavailable_error")
         return self.engine
+
+    def need_api(self) -> API:
+        self.need_engine()
+        assert self.api is not None
+        return self.api
 
     def mtp_mode(self) -> str:
         return self.cfg.mtp_mode if self.cfg.speculative else "none"

@@ -11,8 +11,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from .errors import APIError, bad_request
-from .schemas import format_validation_error
+from ..api.errors import APIError, bad_request
+from ..api.schemas import format_validation_error
 from .service import GenerationService
 
 M = TypeVar("M", bound=BaseModel)

@@ -25,9 +25,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..api.service import GenRequest
 from ..engine import Chunk, Completion, Engine
 from ..slots import Cancelled, Request
-from ..sampling import SamplingParams
 
 log = logging.getLogger("stepmtp.server")
 
@@ -82,35 +82,6 @@ class Channel:
                     return items
                 self._event.clear()
             await self._event.wait()
-
-
-@dataclass
-class GenRequest:
-    """One generation, ready to run: tokens in, every setting resolved."""
-
-    prompt_tokens: list[int]
-    n_predict: int
-    stop: list[str]
-    sampling: SamplingParams
-    #: post every chunk (streaming) or only the result
-    stream: bool
-    #: reuse the slot's cached prefix (llama-server's cache_prompt)
-    cache_prompt: bool = True
-    #: token probabilities to report (n_probs), raw or after the sampling chain
-    n_probs: int = 0
-    post_probs: bool = False
-    #: special tokens kept as text (a chat format's markers)
-    preserved: frozenset[int] = frozenset()
-    #: stream prompt-progress reports (llama-server's return_progress)
-    return_progress: bool = False
-    #: constrained decoding (a compiled grammar.Constraint)
-    grammar: Any = None
-    #: a chat prompt's tokens before its latest user message (0: unknown)
-    n_before_user: int = 0
-    #: llama-server's reasoning budget (a budget.ReasoningBudget), for a chat that thinks
-    reasoning_budget: Any = None
-    #: the chat completion's id, for /v1/chat/completions/control ("": not a chat)
-    cmpl_id: str = ""
 
 
 _ids = itertools.count()
@@ -277,12 +248,7 @@ class Worker:
             self.on_start(job)
         req = job.request
         try:
-            handle = self.engine.submit(req.prompt_tokens, n_predict=req.n_predict, stop=req.stop,
-                                        sampling=req.sampling, cache_prompt=req.cache_prompt,
-                                        n_probs=req.n_probs, post_sampling_probs=req.post_probs,
-                                        preserve_tokens=req.preserved, grammar=req.grammar,
-                                        return_progress=req.return_progress, n_before_user=req.n_before_user,
-                                        reasoning_budget=req.reasoning_budget)
+            handle = self.engine.submit(req.prompt_tokens, **req.engine_kwargs())
         except BaseException as e:  # noqa: BLE001 - reported to the request
             self._not_waiting(job.id)
             self._finish(job, None, e, 0)

@@ -16,8 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import __version__
 from ...chat import template_caps
 from ...engine import SlotBusy
-from .. import formats as F
-from ..errors import APIError, bad_request, error_body
+from ...api import formats as F
+from ...api.errors import APIError, bad_request, error_body
 from ..middleware import UI_ASSETS
 from ..service import default_settings
 from ..web import read_body, service

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from .. import anthropic as A
-from .. import formats as F
+from ...api import formats as F
 from ..anthropic import to_openai as to_anthropic_openai
 from ..web import service
 from .converted import answer_converted, converted_request
@@ -29,6 +29,6 @@ async def anthropic_messages(request: Request) -> Any:
 @router.post("/v1/messages/count_tokens", tags=["anthropic"], summary="Tokens the messages' prompt takes")
 async def anthropic_count_tokens(request: Request) -> dict[str, int]:
     svc = service(request)
-    eng = svc.state.need_engine()
-    _, _, toks = await svc.chat_tokens(eng, await converted_request(request, to_anthropic_openai))
+    svc.state.need_engine()
+    _, _, toks = await svc.chat_tokens(await converted_request(request, to_anthropic_openai))
     return {"input_tokens": len(toks)}

@@ -9,13 +9,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from ...api import formats as F
+from ...api.errors import bad_request
+from ...api.schemas import ChatCompletionRequest, format_validation_error
+from ...api.service import GenRequest
 from ...engine import Completion
-from .. import formats as F
-from ..chat import message_json as chat_message
-from ..errors import bad_request
-from ..schemas import ChatCompletionRequest, format_validation_error
 from ..web import SSEResponse, read_json, service
-from ..worker import GenRequest
 
 
 async def converted_request(request: Request, to_chat: Callable[[Any], dict[str, Any]]) -> ChatCompletionRequest:
@@ -34,14 +33,14 @@ async def answer_converted(request: Request, req: ChatCompletionRequest,
     completion and its parsed message) or, streamed, its events object (``start()``,
     ``feed(delta)``, ``finish(completion, message)``: lists of SSE text)."""
     svc = service(request)
-    eng = svc.state.need_engine()
-    fmt, gens, info = await svc.chat_jobs(eng, req)
+    svc.state.need_engine()
+    jobs = await svc.chat_jobs(req)
     if not req.stream:
-        (c,) = await svc.results(gens[:1], request)
-        return JSONResponse(whole(c, chat_message(fmt.parser(), c.text), info))
-    job, items = await svc.start(gens[0], request)
-    parser = fmt.parser()
-    events = events_for(info, gens[0])
+        (c,) = await svc.results(jobs.gens[:1], request)
+        return JSONResponse(whole(c, jobs.messages([c])[0], jobs.info))
+    job, items = await svc.start(jobs.gens[0], request)
+    parser = jobs.fmt.parser()
+    events = events_for(jobs.info, jobs.gens[0])
 
     def on_chunk(ch: Any) -> list[str]:
         return events.feed(parser.feed(ch.text)) if ch.text else events.start()

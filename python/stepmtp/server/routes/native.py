@@ -8,11 +8,12 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from ...api import formats as F
+from ...api.errors import APIError
+from ...api.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ...api.service import check_tokens, pieces_size, tokenize_pieces
 from ...engine import Completion
-from .. import formats as F
-from ..errors import APIError
-from ..schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from ..service import check_tokens, off_loop, pieces_size, tokenize_pieces
+from ..service import off_loop
 from ..web import SSEResponse, body, json_body, service
 
 router = APIRouter()
@@ -75,8 +76,8 @@ async def apply_template(request: Request) -> dict[str, str]:
     # llama-server reads the body as a chat request: the prompt its completion would
     # run on, tools, tool_choice and reasoning settings included
     svc = service(request)
-    eng = svc.state.need_engine()
-    _, prompt = await svc.chat_prompt(eng, await body(request, ChatCompletionRequest))
+    svc.state.need_engine()
+    _, prompt = await svc.chat_prompt(await body(request, ChatCompletionRequest))
     return {"prompt": prompt}
 
 
@@ -89,8 +90,8 @@ async def completion(request: Request) -> Any:
     svc = service(request)
     eng = svc.state.need_engine()
     req = await body(request, CompletionRequest)
-    gens, settings = await svc.prepare(eng, req, await svc.prompt_tokens(eng, req.prompt), stream=req.stream)
-    info = svc.result_info(eng, settings)
+    jobs = await svc.completion_jobs(req, req.prompt, stream=req.stream)
+    gens, info = jobs.gens, jobs.info
     if not req.stream:
         outs = []
         for i, c in enumerate(await svc.results(gens, request)):

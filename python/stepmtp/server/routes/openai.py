@@ -10,11 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ...engine import Completion
-from .. import formats as F
-from ..chat import delta_json, message_json as chat_message
-from ..errors import bad_request
-from ..schemas import ChatCompletionRequest, OAICompletionRequest
+from ...api import formats as F
+from ...api.errors import bad_request
+from ...api.schemas import ChatCompletionRequest, OAICompletionRequest
 from ..web import SSEResponse, body, json_body, read_json, service
 
 router = APIRouter()
@@ -65,29 +63,13 @@ async def models(request: Request) -> dict[str, Any]:
              summary="OpenAI completions (stream: SSE ending in [DONE])")
 async def oai_completions(request: Request) -> Any:
     svc = service(request)
-    eng = svc.state.need_engine()
+    svc.state.need_engine()
     req = await body(request, OAICompletionRequest)
-    gens, settings = await svc.prepare(eng, req, await svc.prompt_tokens(eng, req.prompt), stream=req.stream)
-    info = svc.result_info(eng, settings)
+    jobs = await svc.completion_jobs(req, req.prompt, stream=req.stream)
     if not req.stream:
-        return JSONResponse(F.oai_completion(await svc.results(gens, request), info))
-
-    job, items = await svc.start(gens[0], request)
-    held: list[Any] = []
-
-    def on_chunk(ch: Any) -> list[str]:
-        held.extend(ch.probs)
-        if not ch.text:
-            return []
-        probs = held[:]
-        held.clear()
-        return [F.sse(F.oai_completion_chunk(ch.text, info, probs=probs))]
-
-    def on_done(c: Completion) -> list[str]:
-        return [F.sse(F.oai_completion_final_chunk(c, info))]
-
-    return SSEResponse(svc.stream_events(job, items, on_chunk, on_done, done_marker=True,
-                                         progress=lambda p: F.oai_completion_chunk("", info)), job.cancel)
+        return JSONResponse(jobs.response(await svc.results(jobs.gens, request)))
+    job, items = await svc.start(jobs.gens[0], request)
+    return SSEResponse(svc.sse_chunks(job, items, jobs.chunks()), job.cancel)
 
 
 # -- POST /v1/chat/completions: OpenAI's chat -------------------------------------
@@ -101,51 +83,17 @@ async def chat_completions(request: Request) -> Any:
     req = await body(request, ChatCompletionRequest)
     if req.unsupported():
         raise bad_request(f"not supported by this server: {', '.join(req.unsupported())}")
-    fmt, gens, info = await svc.chat_jobs(eng, req)
+    jobs = await svc.chat_jobs(req)
     if not req.stream:
-        results = await svc.results(gens, request)
-        res = F.oai_chat(results, info, [chat_message(fmt.parser(), c.text) for c in results])
+        results = await svc.results(jobs.gens, request)
+        res = jobs.response(results)
         if svc.cfg.verbose:  # llama-server's debug object: the native result, the prompt included
-            info.prompt_text = eng.model.detokenize(results[0].prompt_tokens, unparse_special=True)
-            res["__verbose"] = F.native_final(results[0], info)
+            jobs.info.prompt_text = eng.model.detokenize(results[0].prompt_tokens, unparse_special=True)
+            res["__verbose"] = F.native_final(results[0], jobs.info)
         return JSONResponse(res)
-
-    job, items = await svc.start(gens[0], request)
+    job, items = await svc.start(jobs.gens[0], request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    started = {"role": False}
-    held: list[Any] = []
-    parser = fmt.parser()
-
-    def deltas(text: str, final: bool = False) -> list[dict[str, Any]]:
-        out = delta_json(parser.feed(text)) if text else []
-        return out + (delta_json(parser.finish()) if final else [])
-
-    def role() -> list[str]:
-        if started["role"]:
-            return []
-        started["role"] = True
-        return [F.sse(F.oai_chat_chunk({"role": "assistant", "content": None}, info))]
-
-    def on_chunk(ch: Any) -> list[str]:
-        out = role()
-        held.extend(ch.probs)
-        for i, d in enumerate(deltas(ch.text)):
-            probs = held[:] if i == 0 else []
-            held.clear()
-            out.append(F.sse(F.oai_chat_chunk(d, info, probs=probs)))
-        return out
-
-    def on_done(c: Completion) -> list[str]:
-        out = role()
-        out.extend(F.sse(F.oai_chat_chunk(d, info)) for d in deltas("", final=True))
-        reason = F.chat_finish_reason(c, parser.message())
-        out.extend(F.sse(x) for x in F.oai_chat_final_chunks(c, info, include_usage, reason))
-        return out
-
-    # llama-server sends the role delta with every progress report
-    return SSEResponse(svc.stream_events(job, items, on_chunk, on_done, done_marker=True,
-                                         progress=lambda p: F.oai_chat_chunk({"role": "assistant", "content": None},
-                                                                             info)), job.cancel)
+    return SSEResponse(svc.sse_chunks(job, items, jobs.chunks(include_usage)), job.cancel)
 
 
 @router.post("/v1/chat/completions/control", tags=["openai"],
@@ -177,6 +125,6 @@ async def chat_control(request: Request) -> dict[str, Any]:
              openapi_extra=json_body(ChatCompletionRequest))
 async def chat_input_tokens(request: Request) -> dict[str, Any]:
     svc = service(request)
-    eng = svc.state.need_engine()
-    _, _, toks = await svc.chat_tokens(eng, await body(request, ChatCompletionRequest))
+    svc.state.need_engine()
+    _, _, toks = await svc.chat_tokens(await body(request, ChatCompletionRequest))
     return {"input_tokens": len(toks), "object": "response.input_tokens"}

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from .. import formats as F
+from ...api import formats as F
 from .. import responses as R
 from ..web import service
 from .converted import answer_converted, converted_request
@@ -29,6 +29,6 @@ async def responses(request: Request) -> Any:
 @router.post("/responses/input_tokens", include_in_schema=False)
 async def responses_input_tokens(request: Request) -> dict[str, Any]:
     svc = service(request)
-    eng = svc.state.need_engine()
-    _, _, toks = await svc.chat_tokens(eng, await converted_request(request, R.to_openai))
+    svc.state.need_engine()
+    _, _, toks = await svc.chat_tokens(await converted_request(request, R.to_openai))
     return {"input_tokens": len(toks), "object": "response.input_tokens"}

@@ -1,32 +1,32 @@
 """A chat request's prompt: its tools, tool_choice, prefill and reasoning settings
 checked and turned into the template's variables, its messages rendered by the chat
-template in the server's sandbox (``chat_prompt``), and how to read the model's text
-back (``ChatFormat``). Client errors are llama-server's 400s.
+template (in the server's sandbox, or right here in the process) (``chat_prompt``), and
+how to read the model's text back (``ChatFormat``). Client errors are llama-server's 400s.
+
+Rendering waits for the sandbox's worker process: the server calls this off its event loop.
 """
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any
 
-from starlette.concurrency import run_in_threadpool
-
 from ..budget import ReasoningBudget
-from ..server.chat import ChatFormat, is_step_template, normalize_messages, tool_call_grammar
-from ..server.errors import bad_request
-from . import render_builtin, render_chat as render_chat_text, template_caps, template_source
-from .step_format import REASONING_FORMATS
+from ..chat import render_builtin, render_chat as render_chat_text, template_caps, template_source
+from ..chat.step_format import REASONING_FORMATS
+from .chat import ChatFormat, is_step_template, normalize_messages, tool_call_grammar
+from .defaults import RequestDefaults
+from .errors import bad_request
 
 if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..server.config import ServerConfig
-    from ..server.schemas import ChatCompletionRequest, ChatMessage
-    from .sandbox import TemplateSandbox
+    from ..chat.sandbox import TemplateSandbox
+    from ..llama import Model
+    from .schemas import ChatCompletionRequest, ChatMessage
 
 __all__ = ["chat_prompt", "render_messages"]
 
 
-async def chat_prompt(eng: Engine, req: ChatCompletionRequest, cfg: ServerConfig, templates: TemplateSandbox,
-                      preserved: frozenset[int]) -> tuple[ChatFormat, str]:
+def chat_prompt(model: Model, req: ChatCompletionRequest, cfg: RequestDefaults, templates: TemplateSandbox | None,
+                preserved: frozenset[int]) -> tuple[ChatFormat, str]:
     """The prompt for a chat request, and how to read its output back."""
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if isinstance(choice, str) and choice not in ("auto", "none", "required"):
@@ -72,7 +72,7 @@ async def chat_prompt(eng: Engine, req: ChatCompletionRequest, cfg: ServerConfig
             msgs[-1].model_extra or {}).get("tool_calls") else None
     except ValueError as e:
         raise bad_request(str(e)) from None
-    text = await render_messages(eng, msgs, req.add_generation_prompt and prefill is None, variables, cfg, templates,
+    text = render_messages(model, msgs, req.add_generation_prompt and prefill is None, variables, cfg, templates,
                                  last_content=prefill)
     if prefill:
         cut = text.rfind(prefill)
@@ -95,7 +95,7 @@ async def chat_prompt(eng: Engine, req: ChatCompletionRequest, cfg: ServerConfig
         # no thinking: the think block the template opened is closed right away
         text += "\n</think>\n" if not text.endswith("\n") else "</think>\n"
         thinking = False
-    source = template_source(eng.model, cfg.chat_template_source())
+    source = template_source(model, cfg.chat_template_source())
     step = is_step_template(source)
     # llama-server's reasoning_control: a budget (none, -1, unless one is set) whose
     # think block a /v1/chat/completions/control request can end
@@ -108,31 +108,27 @@ async def chat_prompt(eng: Engine, req: ChatCompletionRequest, cfg: ServerConfig
     return fmt, text
 
 
-async def render_messages(eng: Engine, messages: list[ChatMessage], add_generation_prompt: bool,
-                          kwargs: dict[str, Any] | None, cfg: ServerConfig, templates: TemplateSandbox,
-                          last_content: str | None = None) -> str:
+def render_messages(model: Model, messages: list[ChatMessage], add_generation_prompt: bool,
+                    kwargs: dict[str, Any] | None, cfg: RequestDefaults, templates: TemplateSandbox | None,
+                    last_content: str | None = None) -> str:
     _check_messages(messages)
     source = cfg.chat_template_source()
     # llama.cpp's workarounds, by what the template reads (probed once per template);
     # its built-in templates (--no-jinja) take the messages as they are
-    caps = await run_in_threadpool(template_caps, eng.model, source, sandbox=templates) \
-        if cfg.use_jinja else None
+    caps = template_caps(model, source, sandbox=templates) if cfg.use_jinja else None
     try:
         msgs = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
         if last_content is not None:  # a prefill, its parts joined as llama.cpp does
             msgs[-1]["content"] = last_content
-        msgs = normalize_messages(msgs, caps, template_source(eng.model, source) if caps is not None else "")
+        msgs = normalize_messages(msgs, caps, template_source(model, source) if caps is not None else "")
     except ValueError as e:
         raise bad_request(str(e)) from None
     variables = {**cfg.chat_template_kwargs, **(kwargs or {})}
-    # never on the event loop: the sandbox's worker process renders, this thread waits
     try:
         if not cfg.use_jinja:
-            return await run_in_threadpool(render_builtin, eng.model, msgs, add_generation_prompt,
-                                           cfg.chat_template)
-        return await run_in_threadpool(render_chat_text, eng.model, msgs, add_generation_prompt=add_generation_prompt,
-                                       template=source, variables=variables,
-                                       sandbox=templates)
+            return render_builtin(model, msgs, add_generation_prompt, cfg.chat_template)
+        return render_chat_text(model, msgs, add_generation_prompt=add_generation_prompt, template=source,
+                                variables=variables, sandbox=templates)
     except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
         raise bad_request(f"chat template: {e}") from None
 

@@ -1,5 +1,8 @@
 """Errors in llama-server's (OpenAI's) shape:
-``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``."""
+``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``.
+
+The server answers them as JSON; ``Engine.create_chat_completion`` raises them. A
+client's mistake (a 4xx) is also a ``ValueError``, as Python code expects of bad input."""
 from __future__ import annotations
 
 from typing import Any
@@ -20,7 +23,7 @@ ERROR_TYPES: dict[str, int] = {
 
 
 class APIError(Exception):
-    """Raised by a route; answered as llama-server's error JSON."""
+    """Raised by the API's request handling; the server answers it as llama-server's error JSON."""
 
     def __init__(self, message: str, type_: str = "invalid_request_error", *, code: int | None = None,
                  **extra: Any) -> None:
@@ -42,5 +45,9 @@ def error_body(message: str, type_: str = "invalid_request_error", **extra: Any)
     return {"error": err}
 
 
+class InvalidRequest(APIError, ValueError):
+    """The request is at fault (a 4xx): a bad field, a prompt longer than the context, ..."""
+
+
 def bad_request(message: str) -> APIError:
-    return APIError(message, "invalid_request_error")
+    return InvalidRequest(message, "invalid_request_error")

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..engine import Completion
+from ..slots import Completion
 from ..sampling import SamplingParams, TokenProbs
 from ..stats import GenStats
 
@@ -287,9 +287,9 @@ def usage(results: list[Completion]) -> dict[str, Any]:
 def build_info() -> str:
     """llama_build_info(): "b<build>-<commit>" of the llama.cpp inside (the sdist carries
     no build number: 0)."""
-    from .. import system_info
+    from ..binding import llama_cpp_commit
 
-    return f"b0-{system_info().get('llama_cpp_commit') or 'unknown'}"
+    return f"b0-{llama_cpp_commit() or 'unknown'}"
 
 
 def _envelope(info: ResultInfo, obj: str) -> dict[str, Any]:
