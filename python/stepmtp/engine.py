@@ -347,7 +347,7 @@ class Engine:
                  sampling: SamplingParams | None = None, verify: Verify | None = None,
                  cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                  grammar: Any = None, mask_drafts: bool = True, reasoning_budget: "ReasoningBudget | None" = None,
-                 **sampling_kw: Any) -> Completion:
+                 pool: object = None, **sampling_kw: Any) -> Completion:
         """Generate a completion. ``sampling_kw`` are SamplingParams fields
         (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...); ``verify``
         overrides the engine's verification (exact, rejection, auto) for this request.
@@ -362,10 +362,13 @@ class Engine:
         every target row is masked, and the heads' rows too (``mask_drafts``), so
         what the grammar forces is drafted and accepted.
         ``reasoning_budget``: llama-server's ``--reasoning-budget`` (``budget.ReasoningBudget``),
-        counted from the prompt's open think block if it ends in one; not with a grammar."""
+        counted from the prompt's open think block if it ends in one; not with a grammar.
+        ``pool``: the pool of earlier requests' tokens context drafting reads and adds
+        to (any hashable key; the server's: its API key): requests of one pool may
+        learn, through timing, what another wrote."""
         gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                                            n_probs, post_sampling_probs, grammar=grammar,
-                                           mask_drafts=mask_drafts, reasoning_budget=reasoning_budget))
+                                           mask_drafts=mask_drafts, reasoning_budget=reasoning_budget, pool=pool))
         while True:
             try:
                 next(gen)
@@ -377,21 +380,23 @@ class Engine:
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                grammar: Any = None, mask_drafts: bool = True, reasoning_budget: "ReasoningBudget | None" = None,
                preserve_tokens: Sequence[int] = (), return_progress: bool = False, n_before_user: int = 0,
-               **sampling_kw: Any) -> Iterator[Chunk]:
+               pool: object = None, **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
         return value (``StopIteration.value``) is the Completion. The arguments after
         ``reasoning_budget`` are ``submit``'s."""
         return self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                                             n_probs, post_sampling_probs, preserve_tokens, grammar=grammar,
                                             mask_drafts=mask_drafts, return_progress=return_progress,
-                                            reasoning_budget=reasoning_budget, n_before_user=n_before_user))
+                                            reasoning_budget=reasoning_budget, n_before_user=n_before_user,
+                                            pool=pool))
 
     def _request(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
                  sampling: SamplingParams | None, sampling_kw: dict[str, Any],
                  verify: Verify | None = None, cache_prompt: bool = True, n_probs: int = 0,
                  post_sampling_probs: bool = False, preserve_tokens: Sequence[int] = (),
                  grammar: Any = None, mask_drafts: bool = True, return_progress: bool = False,
-                 reasoning_budget: "ReasoningBudget | None" = None, n_before_user: int = 0) -> Request:
+                 reasoning_budget: "ReasoningBudget | None" = None, n_before_user: int = 0,
+                 pool: object = None) -> Request:
         self._check_open()
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
@@ -436,7 +441,8 @@ class Engine:
                                                                                          reasoning_budget))
         req = Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt,
                       n_probs=n_probs, post_probs=post_sampling_probs, preserved=frozenset(preserve_tokens),
-                      constraint=constraint, mask_drafts=mask_drafts, return_progress=return_progress)
+                      constraint=constraint, mask_drafts=mask_drafts, return_progress=return_progress,
+                      pool_key=pool)
         req.state.n_before_user = n_before_user
         return req
 
@@ -531,7 +537,7 @@ class Engine:
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                preserve_tokens: Sequence[int] = (), grammar: Any = None, mask_drafts: bool = True,
                return_progress: bool = False, n_before_user: int = 0,
-               reasoning_budget: "ReasoningBudget | None" = None, **sampling_kw: Any) -> Request:
+               reasoning_budget: "ReasoningBudget | None" = None, pool: object = None, **sampling_kw: Any) -> Request:
         """Queue a generation without driving it, for a program that schedules many
         from one thread (the server): ``step()`` makes progress on every queued and
         running one; the returned request's ``chunks`` fill up as tokens are accepted
@@ -544,7 +550,7 @@ class Engine:
         (the same pieces give the same logits)."""
         req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                             n_probs, post_sampling_probs, preserve_tokens, grammar, mask_drafts,
-                            return_progress, reasoning_budget, n_before_user)
+                            return_progress, reasoning_budget, n_before_user, pool)
         self.slots.submit(req)
         return req
 

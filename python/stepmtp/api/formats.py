@@ -119,7 +119,7 @@ def generation_settings(s: Settings) -> dict[str, Any]:
         "speculative.n_max": s.n_max,
         "speculative.n_min": s.n_min,
         "speculative.p_min": s.p_min,
-        "speculative.mtp_mode": s.mtp_mode if s.spec_type != "none" else "none",
+        "speculative.mtp_mode": s.mtp_mode if "draft-mtp" in s.spec_type else "none",
         "timings_per_token": False,
         "post_sampling_probs": s.post_sampling_probs,
         "backend_sampling": False,
@@ -160,6 +160,9 @@ def mtp_info(st: GenStats, mode: str, n_heads: int, n_draft: int) -> dict[str, A
         "accept_rate": st.accept_rate,
         "draft_n_per_depth": list(st.drafted_per_depth),
         "draft_n_accepted_per_depth": list(st.accepted_per_depth),
+        # of draft_n, the drafts copied from the context (the depths count the heads')
+        "draft_n_context": st.n_drafted_context,
+        "draft_n_accepted_context": st.n_accepted_context,
     }
 
 

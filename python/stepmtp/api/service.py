@@ -12,8 +12,9 @@ it off its event loop).
 """
 from __future__ import annotations
 
+import contextvars
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..chat import user_turn_start
@@ -29,7 +30,12 @@ from .schemas import ChatCompletionRequest, GenerationFields, PromptPieces
 if TYPE_CHECKING:
     from ..chat.sandbox import TemplateSandbox
 
-__all__ = ["API", "GenRequest", "ChatJobs", "CompletionJobs", "SpecReport"]
+#: the context-drafting pool of the request being handled (the server's middleware sets
+#: it to the caller's API key's: a pool shared between keys would tell one key, through
+#: timing, what another's requests wrote)
+POOL: contextvars.ContextVar[Any] = contextvars.ContextVar("stepmtp_pool", default=None)
+
+__all__ = ["API", "GenRequest", "POOL", "ChatJobs", "CompletionJobs", "SpecReport"]
 
 
 @dataclass
@@ -59,13 +65,16 @@ class GenRequest:
     reasoning_budget: Any = None
     #: the chat completion's id, for /v1/chat/completions/control ("": not a chat)
     cmpl_id: str = ""
+    #: the pool of earlier requests' tokens its context drafting reads (the server's:
+    #: one per API key, ``POOL``)
+    pool: Any = field(default_factory=lambda: POOL.get())
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keywords of ``Engine.submit`` / ``Engine.stream`` that run it (after the prompt)."""
         return dict(n_predict=self.n_predict, stop=self.stop, sampling=self.sampling, cache_prompt=self.cache_prompt,
                     n_probs=self.n_probs, post_sampling_probs=self.post_probs, preserve_tokens=self.preserved,
                     grammar=self.grammar, return_progress=self.return_progress, n_before_user=self.n_before_user,
-                    reasoning_budget=self.reasoning_budget)
+                    reasoning_budget=self.reasoning_budget, pool=self.pool)
 
 
 @dataclass

@@ -123,8 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temps", default="0,0.7,1", help="--matrix: the rows' temperatures (default 0,0.7,1)")
     g.add_argument("--clients", default="1,2,4,8", help="--matrix: the columns' concurrent clients (default 1,2,4,8)")
     g.add_argument("--entries", default="",
-                   help="--matrix: the servers, of off, mtp, n1, n2, n3, cpp-off, cpp-mtp (default: off,mtp,n1,n2,n3, "
-                        "and cpp-off,cpp-mtp with --llama-server)")
+                   help="--matrix: the servers, of off, mtp, mtp-noctx, n1, n2, n3, n3-raw, cpp-off, cpp-mtp, cpp-ngram "
+                        "(default: off,mtp,n1,n2,n3, and cpp-off,cpp-mtp with --llama-server)")
+    g.add_argument("--agent", action="store_true",
+                   help="--matrix: also the agents' turns (copy, echo, the same turn again, a summary; see "
+                        "stepmtp.bench.agent_turns), each entry's generation tok/s; --temps '' for these alone")
+    g.add_argument("--agent-turns", type=int, default=4, metavar="N",
+                   help="--agent: turns of each kind (default 4)")
     g = ap.add_argument_group("run")
     g.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="throughput of N concurrent clients on N slots against 1 client on 1 slot, per "
@@ -411,10 +416,16 @@ def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_ser
     path = _model_path(s, progress)
     if path is None:
         return 2
+    agent = None
     try:
         cells, props = X.run_matrix(list(prompts.prompts), entries, path, temps=temps, clients=clients,
                                     repeat=s["repeat"], llama_server=llama_server, threads=s["threads"],
-                                    progress=progress)
+                                    progress=progress) if temps and clients else ([], {})
+        if args.agent:
+            from . import agent_turns as A
+
+            agent = A.run_agent(A.agent_prompts(args.agent_turns), entries, path, llama_server=llama_server,
+                                threads=s["threads"], progress=progress)
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
         return 130
@@ -422,13 +433,20 @@ def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_ser
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     env = R.environment(s["threads"])
+    model = _model_info(s['model'], path, s['bench_model_mb'])['name']
     md = (f"{X.markdown(cells, entries)}\n{len(prompts)} prompts x {prompts.prompts[0].n_predict} tokens, best of "
-          f"{s['repeat']}; {env.get('cpu_model')}, {env.get('n_threads')} threads; model "
-          f"{_model_info(s['model'], path, s['bench_model_mb'])['name']}\n")
+          f"{s['repeat']}; {env.get('cpu_model')}, {env.get('n_threads')} threads; model {model}\n") if cells else ""
+    if agent is not None:
+        from . import agent_turns as A
+
+        md += (f"\n### Agents' turns\n\n{A.agent_markdown(agent, entries)}\n{args.agent_turns} turns of each kind "
+               f"x 256 tokens at temperature 0, one client; generation tok/s from the servers' timings; "
+               f"{env.get('cpu_model')}, {env.get('n_threads')} threads; model {model}\n")
     print(md)
     doc = {"matrix": [c.to_dict() for c in cells], "entries": {e.name: {"flags": list(e.flags), "cpp": e.cpp,
                                                                       "what": e.what} for e in entries},
            "servers": props, "model": _model_info(s["model"], path, s["bench_model_mb"]),
+           "agent": agent.to_dict() if agent is not None else None,
            "settings": {k: s[k] for k in ("n_predict", "limit", "categories", "threads", "repeat")},
            "environment": env}
     outs = {"json": args.json, "markdown": args.markdown, "chart": args.chart}
@@ -442,11 +460,15 @@ def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_ser
         sys.stdout.write(text) if outs["json"] == "-" else Path(outs["json"]).write_text(text)
     if outs["markdown"]:
         Path(outs["markdown"]).write_text(md)
-    if outs["chart"]:
+    if outs["chart"] and cells:
         why = X.write_heatmap(cells, entries, outs["chart"])
         if why:
             print(f"bench: {why}", file=sys.stderr)
     bad = X.check_texts(cells, entries)
+    if agent is not None:
+        from . import agent_turns as A
+
+        bad += A.check_agent_texts(agent, entries)
     if bad:
         print(f"{PROG}: texts differ:\n  " + "\n  ".join(bad), file=sys.stderr)
         return 3

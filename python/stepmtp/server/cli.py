@@ -22,6 +22,9 @@ PROG = "python -m stepmtp.server"
 log = logging.getLogger("stepmtp.server")
 
 
+from ..drafters.ngram import NGRAM_TYPES, NgramConfig
+
+
 class ArgError(Exception):
     pass
 
@@ -100,11 +103,48 @@ def _spec_types(v: str) -> list[str]:
         if t not in SPEC_TYPES_LLAMA:
             raise argparse.ArgumentTypeError(f"unknown speculative decoding type {t!r} "
                                              f"(llama-server knows {', '.join(SPEC_TYPES_LLAMA)})")
-        if t not in ("none", "draft-mtp"):
+        if t in ("draft-simple", "draft-eagle3"):
             raise argparse.ArgumentTypeError(f"{t!r} is not supported by this server: it drafts with the "
-                                             "model's MTP heads (draft-mtp) or not at all (none)")
+                                             "model's MTP heads (draft-mtp) and from the context (ngram-*)")
         out.append(t)
     return out
+
+
+def _ngram_size(what: str, lo: int = 1) -> Any:
+    """llama-server's n-gram sizes: an integer in [lo, 1024], its message otherwise."""
+    def parse(v: str) -> int:
+        n = _int(v)
+        if not lo <= n <= 1024:
+            raise argparse.ArgumentTypeError(f"{what} must be between {lo} and 1024 inclusive")
+        return n
+    return parse
+
+
+def _min_hits(v: str) -> int:
+    n = _int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError("ngram min hits must be at least 1")
+    return n
+
+
+def _on_off(v: str) -> bool:
+    if v.lower() in ("on", "1", "true", "enabled"):
+        return True
+    if v.lower() in ("off", "0", "false", "disabled"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {v!r}")
+
+
+class _Removed(argparse.Action):
+    """A flag llama-server removed: its message, as llama-server's."""
+
+    def __init__(self, option_strings: list[str], dest: str, use: str = "", **kw: Any) -> None:
+        self.use = use
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option: str | None = None) -> None:
+        parser.error(f"{option}: the argument has been removed. {self.use}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -206,6 +246,47 @@ def add(group: argparse._ArgumentGroup, *names: str, env: str | None = None, **k
         ENV[action.option_strings[0]] = env
 
 
+def _context_flags(ap: argparse.ArgumentParser) -> None:
+    """Drafting from the context: ours, and llama-server's n-gram drafters' settings."""
+    g = ap.add_argument_group("speculative decoding from the context (n-grams)")
+    add(g, "--spec-context", dest="spec_context", action="store_const", const=True, default=True,
+        help="with draft-mtp, also draft continuations of the text found earlier in the slot's tokens and in "
+             "earlier requests' (the plan chooses them or the heads' drafts each round; default: on)")
+    add(g, "--no-spec-context", dest="spec_context", action="store_const", const=False,
+        help="the heads' drafts alone")
+    add(g, "--spec-ngram-shared", metavar="on|off", dest="ngram_shared", type=_on_off, default=True,
+        help="keep earlier requests' tokens to draft from, one pool per API key (off: each request drafts "
+             "from its own tokens alone; default: on)")
+    add(g, "--spec-context-pool", metavar="N", dest="context_pool", type=_int, default=1 << 18,
+        help="tokens of earlier requests kept per pool (~160 bytes each with their index; default: 262144)")
+    add(g, "--spec-default", dest="spec_default", action="store_true",
+        help="llama-server's default n-gram drafting: ngram-mod with n-match 24, n-min 48, n-max 64")
+    for kind, what in (("simple", "ngram-simple"), ("map-k", "ngram-map-k"), ("map-k4v", "ngram-map-k4v")):
+        dest = kind.replace("-", "_")
+        add(g, f"--spec-ngram-{kind}-size-n", metavar="N", dest=f"{dest}_size_n", default=12,
+            type=_ngram_size("ngram size N"), help=f"{what}: the n-gram looked up (default: 12)")
+        add(g, f"--spec-ngram-{kind}-size-m", metavar="N", dest=f"{dest}_size_m", default=48,
+            type=_ngram_size("ngram size M"), help=f"{what}: the tokens drafted after it (default: 48)")
+        add(g, f"--spec-ngram-{kind}-min-hits", metavar="N", dest=f"{dest}_min_hits", default=1, type=_min_hits,
+            help=f"{what}: lookups of the n-gram before it drafts (default: 1)")
+    add(g, "--spec-ngram-mod-n-match", metavar="N", dest="mod_n_match", default=24,
+        type=_ngram_size("ngram size N"), help="ngram-mod: the n-gram looked up (default: 24)")
+    add(g, "--spec-ngram-mod-n-min", metavar="N", dest="mod_n_min", default=48, type=_ngram_size("ngram n-min", 0),
+        help="ngram-mod: fewer tokens found than this and it drafts none (default: 48)")
+    add(g, "--spec-ngram-mod-n-max", metavar="N", dest="mod_n_max", default=64, type=_ngram_size("ngram n-max", 0),
+        help="ngram-mod: tokens drafted at most (default: 64)")
+    add(g, "-lcs", "--lookup-cache-static", metavar="FNAME", dest="lookup_cache_static",
+        help="ngram-cache: a static lookup cache (llama-lookup-create's), read at start")
+    add(g, "-lcd", "--lookup-cache-dynamic", metavar="FNAME", dest="lookup_cache_dynamic",
+        help="ngram-cache: a dynamic lookup cache (llama-lookup's), read at start")
+    for names, use in ((("--draft", "--draft-n", "--draft-max"), "use --spec-draft-n-max or --spec-ngram-mod-n-max"),
+                       (("--draft-min", "--draft-n-min"), "use --spec-draft-n-min or --spec-ngram-mod-n-min"),
+                       (("--spec-ngram-size-n",), "use the respective --spec-ngram-*-size-n"),
+                       (("--spec-ngram-size-m",), "use the respective --spec-ngram-*-size-m"),
+                       (("--spec-ngram-min-hits",), "use the respective --spec-ngram-*-min-hits")):
+        g.add_argument(*names, action=_Removed, use=use, help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(
         prog=PROG,
@@ -224,9 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
         env="LLAMA_ARG_ALIAS", help="model name aliases, comma-separated (the API's model id)")
 
     g = ap.add_argument_group("speculative decoding (the MTP heads)")
-    add(g, "--spec-type", metavar="none|draft-mtp", dest="spec_type", type=_spec_types, action=_Append, default=[],
+    add(g, "--spec-type", metavar="none|draft-mtp|ngram-*", dest="spec_type", type=_spec_types, action=_Append, default=[],
         env="LLAMA_ARG_SPEC_TYPE",
-        help="draft-mtp: draft with the model's MTP heads; none: plain decoding (default: none, as llama-server)")
+        help="comma-separated: draft-mtp: draft with the model's MTP heads (and from the context, "
+             "--no-spec-context aside); ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache: "
+             "llama-server's n-gram drafters; none: plain decoding (default: none, as llama-server)")
     add(g, "--spec-mtp-mode", metavar="chain|single", dest="mtp_mode", choices=["chain", "single"], default="chain",
         help="chain: head i drafts step i (n-max capped at the head count); single: head 0 for every step, "
              "the behaviour before chaining (default: chain)")
@@ -259,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", metavar="N",
         dest="ngl_draft", type=_layers, env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
         help="draft model layers in VRAM: a number, 'auto' or 'all' (default: as -ngl)")
+    _context_flags(ap)
 
     g = ap.add_argument_group("context and compute")
     add(g, "-c", "--ctx-size", metavar="N", dest="ctx_size", type=_int, default=0, env="LLAMA_ARG_CTX_SIZE",
@@ -579,6 +663,9 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
     check(a.n_max >= 0, f"invalid value for --spec-draft-n-max: {a.n_max}")
     check(a.n_min >= 0, f"invalid value for --spec-draft-n-min: {a.n_min}")
     check(0.0 <= a.p_min <= 1.0, f"--spec-draft-p-min must be in [0, 1], got {a.p_min}")
+    check(a.context_pool >= 0, f"invalid value for --spec-context-pool: {a.context_pool}")
+    for f, flag in ((a.lookup_cache_static, "-lcs"), (a.lookup_cache_dynamic, "-lcd")):
+        check(f is None or Path(f).is_file(), f"{flag}: no such file: {f}")
     check(a.draft_vocab >= -1, f"--spec-draft-vocab must be -1 (auto), 0 (all) or a token count, got {a.draft_vocab}")
     check(0 <= a.port <= 65535, f"invalid value for --port: {a.port}")
     check(a.n_predict >= -1, f"invalid value for -n/--predict: {a.n_predict}")
@@ -641,6 +728,16 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         model=a.model,
         mtp_model=a.mtp_model,
         spec_type="draft-mtp" if "draft-mtp" in spec else "none",
+        ngram_types=tuple(t for t in NGRAM_TYPES if t in spec or (t == "ngram-mod" and a.spec_default)),
+        spec_context=a.spec_context,
+        context_pool=a.context_pool if a.ngram_shared else 0,
+        ngram=NgramConfig(
+            simple_size_n=a.simple_size_n, simple_size_m=a.simple_size_m, simple_min_hits=a.simple_min_hits,
+            map_k_size_n=a.map_k_size_n, map_k_size_m=a.map_k_size_m, map_k_min_hits=a.map_k_min_hits,
+            map_k4v_size_n=a.map_k4v_size_n, map_k4v_size_m=a.map_k4v_size_m, map_k4v_min_hits=a.map_k4v_min_hits,
+            mod_n_match=24 if a.spec_default else a.mod_n_match, mod_n_min=48 if a.spec_default else a.mod_n_min,
+            mod_n_max=64 if a.spec_default else a.mod_n_max,
+            lookup_cache_static=a.lookup_cache_static, lookup_cache_dynamic=a.lookup_cache_dynamic),
         mtp_mode=a.mtp_mode,
         schedule=a.schedule,
         verify=a.verify,

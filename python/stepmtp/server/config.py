@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..api.defaults import DEFAULT_SEED, RequestDefaults
+from ..drafters.ngram import NgramConfig
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -41,6 +42,15 @@ class ServerConfig(RequestDefaults):
     p_min: float = 0.0
     #: --spec-draft-vocab: the heads draft among the first N token ids (-1: auto, 0: all)
     draft_vocab: int = -1
+    #: --spec-type's llama-server n-gram drafters (ngram-simple, ..., ngram-cache)
+    ngram_types: tuple[str, ...] = ()
+    #: their settings (--spec-ngram-*, -lcs, -lcd)
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    #: draft from the context beside the heads (--no-spec-context: off)
+    spec_context: bool = True
+    #: earlier requests' tokens kept per pool (per API key) to draft from (0: none,
+    #: --spec-ngram-shared off)
+    context_pool: int = 1 << 18
     #: --spec-schedule: "fused" (process inside the next draft decodes) or "reference"
     schedule: str = "fused"
     #: --spec-verify: "auto" (rejection sampling above temperature 0), "exact", "rejection"
@@ -124,7 +134,13 @@ class ServerConfig(RequestDefaults):
 
     @property
     def speculative(self) -> bool:
+        """Whether the MTP heads draft."""
         return self.spec_type == "draft-mtp"
+
+    @property
+    def spec_types(self) -> str:
+        """--spec-type as llama-server reports it (``speculative.types``)."""
+        return ",".join([*self.ngram_types, *(["draft-mtp"] if self.speculative else [])]) or "none"
 
     @property
     def engine_mode(self) -> str:
@@ -194,6 +210,10 @@ class ServerConfig(RequestDefaults):
             schedule=self.schedule,  # type: ignore[arg-type]
             verify=self.verify,  # type: ignore[arg-type]
             adaptive=self.adaptive,
+            context=self.spec_context,
+            ngram=self.ngram_types,
+            ngram_config=self.ngram,
+            pool_tokens=self.context_pool,
             n_ctx=self.n_ctx,
             n_batch=self.n_batch,
             n_ubatch=self.n_ubatch,

@@ -2,6 +2,7 @@
 API key outside the public paths) and its response headers (CORS, header case)."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from typing import Any
@@ -10,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..api.errors import error_body
+from ..api.service import POOL
 from .state import ServerState
 
 log = logging.getLogger("stepmtp.server")
@@ -52,6 +54,8 @@ class GateMiddleware:
                 await JSONResponse(error_body("Invalid API Key", "authentication_error"),
                                    status_code=401)(scope, receive, send)
                 return
+            # one context-drafting pool per key (its digest: the key itself is kept nowhere)
+            POOL.set(hashlib.sha256(key.encode()).hexdigest()[:16])
         await self.app(scope, receive, send)
 
 

@@ -207,7 +207,7 @@ def _raise_job_error(err: BaseException) -> None:
 def default_settings(st: ServerState) -> F.Settings:
     cfg = st.cfg
     return F.Settings(sampling=cfg.sampling, seed=cfg.seed_u32, n_predict=cfg.n_predict, stop=[], stream=False,
-                      spec_type=cfg.spec_type, n_max=cfg.n_max, n_min=cfg.n_min, p_min=cfg.p_min,
+                      spec_type=cfg.spec_types, n_max=cfg.n_max, n_min=cfg.n_min, p_min=cfg.p_min,
                       mtp_mode=cfg.mtp_mode)
 
 

@@ -60,7 +60,7 @@ class ServerState:
             m = engine.model
             self.api = API(engine, cfg, model_name=self.model_name, templates=self.templates,
                            mtp_mode=self.mtp_mode(),
-                           spec=SpecReport(cfg.spec_type, cfg.mtp_mode, cfg.n_max, cfg.n_min, cfg.p_min))
+                           spec=SpecReport(cfg.spec_types, cfg.mtp_mode, cfg.n_max, cfg.n_min, cfg.p_min))
             from ..grammar import vocabulary
 
             vocabulary(m)  # the grammar backend's view of the vocabulary: built once, at load
@@ -77,7 +77,13 @@ class ServerState:
             if cfg.speculative:
                 log.info("speculation: draft-mtp, mode %s, n_max %d (%d drafted per round), n_min %d, p_min %.2f",
                          cfg.mtp_mode, cfg.n_max, self.n_draft, cfg.n_min, cfg.p_min)
-            else:
+            if cfg.ngram_types or (cfg.speculative and cfg.spec_context):
+                pool = (f"{cfg.context_pool} tokens of earlier requests kept per API key "
+                        f"(~{cfg.context_pool * 160 / 2**20:.0f} MB)") if cfg.context_pool else "no pool"
+                log.info("speculation from the context: %s; %s",
+                         ", ".join([*cfg.ngram_types, *(["ours"] if cfg.speculative and cfg.spec_context else [])]),
+                         pool)
+            if not cfg.speculative and not cfg.ngram_types:
                 log.info("speculation: none (--spec-type draft-mtp to draft with the MTP heads)")
             if engine.target.batch_invariant:
                 log.info("batch-invariant target: decodes of up to %d rows computed a row at a time, attention "
