@@ -343,7 +343,8 @@ def speculation_samples_as_plain(path, samp: dict, verify: str, n_seeds: int = 2
     return accepted
 
 
-def joint_counts_p(path, samp: dict, verify: str, n_seeds: int = 250, **engine_kw) -> tuple[float, int]:
+def joint_counts_p(path, samp: dict, verify: str, n_seeds: int = 250, prompt: str = "def f",
+                   **engine_kw) -> tuple[float, int]:
     """The chi-square p-value of the first three tokens' joint counts over many seeds,
     plain against chained, and the drafts accepted."""
     from scipy.stats import chi2_contingency
@@ -353,9 +354,9 @@ def joint_counts_p(path, samp: dict, verify: str, n_seeds: int = 250, **engine_k
     for mode in ("none", "chain"):
         hist: dict[tuple[int, ...], int] = {}
         with Engine(path, mode=mode, n_ctx=256, **engine_kw) as eng:
-            prompt = eng.tokenize("def f")
+            toks = eng.tokenize(prompt)
             for seed in range(n_seeds):
-                out = eng.generate(prompt, n_predict=3, seed=seed, verify=verify, **samp)
+                out = eng.generate(toks, n_predict=3, seed=seed, verify=verify, **samp)
                 hist[tuple(out.tokens)] = hist.get(tuple(out.tokens), 0) + 1
                 accepted += out.stats.n_accepted
         counts[mode] = hist

@@ -742,8 +742,8 @@ class DraftPlanner:
             n = 0
         out = [min(n, c) if c >= p.n_min else 0 for p, c in zip(seqs, caps)]
         for j, p in enumerate(seqs):
-            # a copy is worth its rows whatever they cost yet: two tokens a round or more
-            if p.context and _expected(p.context, len(p.context)) >= 2.0:
+            # a copy is worth its rows whatever they cost yet: a token and a half a round or more
+            if p.context and _expected(p.context, len(p.context)) >= 1.5:
                 p.use, p.n_forced = "context", len(p.context)
                 out[j] = p.n_forced
         return out

@@ -471,7 +471,7 @@ class MTPDriver:
         # per-row products up to 64 rows; flash attention tiles 64 query rows and more)
         self.max_verify_rows = min(self.n_chunk, self.MAX_INVARIANT_ROWS) if cpu_only() else self.n_chunk
         # the draft length of each sequence, chosen each round (None: always n_draft, and a
-        # context proposal whole where it promises two tokens or more)
+        # context proposal whole: see ``_propose``)
         self.planner = DraftPlanner(self.n_draft) if spec.adaptive and (
             (self.speculate and spec.n_min < self.n_draft) or (self.proposers and not self.speculate)) else None
         if self.planner is not None:
@@ -1405,8 +1405,11 @@ class MTPDriver:
                     best, best_e, best_acc = (i, prop), e, acc
             if best is not None:
                 s.proposer, s.proposal = best
-                # without a plan: the whole proposal where it promises two tokens or more
-                s.n_point = len(s.proposal.tokens) if s.policy is None and best_e >= 2.0 else 0
+                # without a plan: the whole proposal, as llama-server verifies an n-gram draft,
+                # where the heads cannot draft instead; beside them, where it promises two
+                # tokens or more
+                use = not self.speculate or best_e >= 2.0
+                s.n_point = len(s.proposal.tokens) if s.policy is None and use else 0
             if s.policy is not None:
                 s.policy.context = best_acc
 

@@ -1,0 +1,242 @@
+"""Context drafting (stepmtp.drafters): the proposers, point proposals under rejection
+sampling, and drafting from the context in the engine, exact at temperature 0."""
+from __future__ import annotations
+
+import random
+import struct
+
+import numpy as np
+import pytest
+
+from stepmtp import Engine
+from stepmtp.drafters import PointMass
+from stepmtp.models import default_model_path
+from stepmtp.drafters.context import ContextDrafter, ContextPool, ContextRecord, expected_tokens
+from stepmtp.drafters.ngram import NgramCache, NgramConfig, NgramMap, NgramMod, NgramSimple, make_ngram, read_lookup_cache
+from stepmtp.sampling import Sampler, SamplingParams, verify_rejection
+
+from test_engine import AGREE_HOT, joint_counts_p
+
+COPY = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+
+
+def _text(n: int, seed: int = 0, vocab: int = 1000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+# -- our proposer ---------------------------------------------------------------------
+
+def test_context_proposes_what_followed_the_text_before():
+    doc = _text(400)
+    toks = doc + [1001, 1002] + doc[:20]
+    d = ContextDrafter()
+    st = d.begin(toks, None)
+    p = d.propose(st, 30)
+    assert p.tokens == doc[20:50] and all(m >= 20 for m in p.match) and p.share == [1.0] * 30
+    # the tokens a round emits move the match along; a token that breaks it ends it
+    toks += doc[20:25]
+    assert d.propose(st, 5).tokens == doc[25:30]
+    toks.append(5000)
+    assert d.propose(st, 5) is None
+
+
+def test_context_weighs_the_places_that_match():
+    # the key occurs twice before: followed by A once (a long match) and B once (short)
+    a, b = _text(40, 1), _text(40, 2)
+    lead = _text(30, 3)
+    toks = lead + [7, 7, 7, 7] + a + _text(10, 4) + [7, 7, 7, 7] + b + _text(5, 5) + lead[-6:] + [7, 7, 7, 7]
+    st = ContextDrafter().begin(toks, None)
+    p = ContextDrafter().propose(st, 8)
+    assert p.tokens[0] == a[0] and p.share[0] < 1.0  # the longer match wins, its share said
+
+
+def test_the_pool_drafts_a_turn_written_again_and_stays_bounded():
+    d = ContextDrafter()
+    pool = ContextPool(max_tokens=1000)
+    first = _text(300, 7)
+    pool.add(first)
+    st = d.begin(first[:50], pool)
+    assert d.propose(st, 62).tokens == first[50:112]
+    for s in range(10):  # other texts push the first out
+        pool.add(_text(300, 100 + s))
+    assert pool.n_tokens <= 1000 + 300
+    assert d.propose(d.begin(first[:50], pool), 62) is None
+    # a conversation's next prompt shares the last one's prefix: only the new part is kept
+    p2 = ContextPool(max_tokens=10_000)
+    p2.add(first)
+    p2.add(first + _text(100, 8))
+    assert p2.n_tokens < 300 + 100 + 70
+
+
+def test_the_record_learns_acceptance_by_evidence():
+    rec = ContextRecord()
+    prop = ContextDrafter().propose(ContextDrafter().begin(_text(100) + _text(100)[:40], None), 20)
+    before = rec.accepts(prop)
+    for _ in range(50):
+        rec.observe(prop, 20, 3)  # the fourth draft keeps being rejected
+    after = rec.accepts(prop)
+    assert after[3] < before[3] and after[0] > 0.9
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+
+
+# -- point proposals ------------------------------------------------------------------
+
+def test_a_point_proposal_is_accepted_with_the_targets_probability():
+    """verify_rejection with q a point mass: the emitted token is distributed as p (a
+    draft accepted with p(x), else a draw from p without x), chi-square."""
+    from scipy.stats import chisquare
+
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    counts = np.zeros(4)
+    for _ in range(6000):
+        out = verify_rejection(sampler, lambda i: p, [1], [PointMass(1)], lambda: 0)
+        counts[out[0]] += 1
+    assert chisquare(counts, 6000 * p).pvalue > 1e-3
+    # and a wrong verifier (the draft always accepted) fails the same test
+    wrong = np.zeros(4)
+    wrong[1] = 6000
+    assert chisquare(wrong, 6000 * p).pvalue < 1e-3
+
+
+def test_context_drafts_keep_the_target_distribution(tmp_path_factory, monkeypatch):
+    """Sampling with the context's drafts (a prompt that repeats, the plan made to take
+    them): the first three tokens' joint counts match plain sampling's."""
+    from stepmtp.tiny import write_agree_model
+
+    monkeypatch.setattr(ContextRecord, "accepts", lambda self, prop: [0.99] * len(prop.tokens))
+    path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
+    p, accepted = joint_counts_p(path, AGREE_HOT, "rejection", n_seeds=200, prompt=COPY + COPY[:30])
+    assert p > 1e-3, p
+    assert accepted > 30
+
+
+# -- in the engine ----------------------------------------------------------------------
+
+def test_context_drafting_writes_plain_decodings_text():
+    """Temperature 0: the heads and the context's drafts give plain decoding's tokens,
+    the first time and the second (drafted from the pool), and the context drafted
+    (the bundled model: it writes what its context suggests)."""
+    prompt = COPY * 3 + COPY[:20]
+    with Engine(default_model_path(), mode="none", n_ctx=512) as eng:
+        want = eng.generate(prompt, n_predict=96, temperature=0).tokens
+    with Engine(default_model_path(), mode="chain", n_ctx=512, debug=True) as eng:
+        outs = [eng.generate(prompt, n_predict=96, temperature=0) for _ in range(2)]
+    assert [o.tokens for o in outs] == [want, want]
+    assert outs[1].stats.n_drafted_context > 0
+    assert outs[1].stats.n_accepted_context <= outs[1].stats.n_drafted_context
+
+
+@pytest.mark.parametrize("ngram", ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"])
+def test_llama_servers_ngram_drafters_alone_write_plain_decodings_text(ngram):
+    cfg = NgramConfig(simple_size_n=3, simple_size_m=8, map_k_size_n=3, map_k_size_m=8, map_k4v_size_n=3,
+                      map_k4v_size_m=8, mod_n_match=4, mod_n_min=2, mod_n_max=16)
+    prompt = COPY * 4 + COPY[:10]
+    with Engine(default_model_path(), mode="none", n_ctx=512) as eng:
+        want = eng.generate(prompt, n_predict=64, temperature=0).tokens
+    with Engine(default_model_path(), mode="none", ngram=[ngram], ngram_config=cfg, n_ctx=512) as eng:
+        outs = [eng.generate(prompt, n_predict=64, temperature=0) for _ in range(2)]
+    assert [o.tokens for o in outs] == [want, want]
+    assert sum(o.stats.n_drafted_context for o in outs) > 0 and all(o.stats.n_drafted == o.stats.n_drafted_context
+                                                                    for o in outs)
+
+
+def test_a_grammar_masks_the_contexts_drafts(tiny):
+    """A schema's output, drafted from a context that holds text the schema forbids:
+    the same tokens as plain decoding under the schema."""
+    schema = ("json_schema", {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    prompt = '{"n": "text"} {"n": "text"} {"n": "text"} {"n": '
+    with Engine(tiny["embedded"], mode="none", n_ctx=512) as eng:
+        want = eng.generate(prompt, n_predict=24, temperature=0, grammar=schema)
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        got = [eng.generate(prompt, n_predict=24, temperature=0, grammar=schema) for _ in range(2)]
+    assert [g.tokens for g in got] == [want.tokens, want.tokens]
+
+
+def test_pools_are_kept_apart():
+    """A request drafts from the earlier requests of its own pool alone."""
+    prompt = COPY * 2 + COPY[:20]
+    with Engine(default_model_path(), mode="chain", n_ctx=512, adaptive=False) as eng:
+        a1 = eng.generate(prompt, n_predict=64, temperature=0, pool="a")
+        eng.generate(prompt, n_predict=64, temperature=0, pool="a")
+        b1 = eng.generate(COPY[:40], n_predict=32, temperature=0, pool="b")
+        pools = eng.driver.pools
+        assert set(pools) == {"a", "b"}
+        # pool b holds b's request alone, pool a a's (the second one's new part)
+        # (a sequence's tokens: prompt, output, and what its last round accepted past the end)
+        want_b, want_a = b1.prompt_tokens + b1.tokens, a1.prompt_tokens + a1.tokens
+        assert len(pools["b"].docs) == 1 and pools["b"].docs[0].tokens[: len(want_b)] == want_b
+        assert pools["a"].docs[0].tokens[: len(want_a)] == want_a
+        st = eng.driver.proposers[-1].begin(list(b1.prompt_tokens[:8]), pools["b"])
+        assert all(s.tokens is not d.tokens for s in st.sources for d in pools["a"].docs)
+    with Engine(default_model_path(), mode="chain", n_ctx=512, adaptive=False, pool_tokens=0) as eng:
+        eng.generate(prompt, n_predict=16, temperature=0)
+        assert not eng.driver.pools
+
+
+# -- llama-server's n-gram drafters ------------------------------------------------------
+
+def test_ngram_simple_takes_the_most_recent_occurrence():
+    n, m = 3, 5
+    key = [1, 2, 3]
+    toks = _text(20, 1) + key + [10, 11, 12, 13, 14, 15] + _text(20, 2) + key + [20, 21, 22, 23, 24, 25] + \
+        _text(10, 3) + key
+    d = NgramSimple(n, m)
+    assert d.propose(d.begin(toks, None), 64).tokens == [20, 21, 22, 23, 24]
+
+
+def test_ngram_map_k_takes_the_first_and_adapts_its_length():
+    key = [1, 2, 3]
+    toks = _text(20, 1) + key + list(range(100, 110)) + _text(20, 2) + key + list(range(200, 210)) + \
+        _text(30, 3) + key
+    d = NgramMap("ngram-map-k", 3, 8, 1, values=False)
+    st = d.begin(toks, None)
+    assert d.propose(st, 64).tokens == list(range(100, 108))
+    d.accepted(st, 8, 2)
+    assert d.propose(st, 64).tokens == [100, 101]
+
+
+def test_ngram_map_k4v_needs_hits_and_a_dominant_continuation():
+    key = [1, 2, 3]
+    a, b = list(range(100, 104)), list(range(200, 204))
+    toks = _text(10, 1) + key + a + _text(10, 2) + key + b + _text(20, 3) + key
+    d = NgramMap("ngram-map-k4v", 3, 4, 2, values=True)
+    st = d.begin(toks, None)
+    assert d.propose(st, 64) is None  # one lookup of the key so far (min_hits 2)
+    assert d.propose(st, 64) is None  # a once, b once: neither twice the others
+    toks2 = _text(10, 1) + key + a + _text(10, 2) + key + b + _text(5, 4) + key + a + _text(5, 5) + key + a + \
+        _text(20, 6) + key
+    st2 = d.begin(toks2, None)
+    d.propose(st2, 64)
+    assert d.propose(st2, 64).tokens == a  # a three times, b once
+
+
+def test_ngram_mod_chains_lookups_and_keeps_n_min():
+    # a sequence's tokens end with id_last, whose continuation is drafted
+    doc = _text(200, 9)
+    d = NgramMod(n_match=4, n_min=10, n_max=30)
+    pool = ContextPool(100)
+    d.begin(doc, pool)  # another sequence of the pool indexed it
+    assert d.propose(d.begin(doc[:51], pool), 64).tokens == doc[51:81]
+    assert d.propose(d.begin(_text(50, 10), pool), 64) is None  # nothing found: no draft
+    short = NgramMod(n_match=4, n_min=10, n_max=30)
+    short.begin(doc[:61], pool)
+    assert short.propose(short.begin(doc[:53], pool), 64) is None  # fewer than n_min resolve
+    assert short.propose(short.begin(doc[:53], None), 64) is None  # no pool: its own tokens alone
+
+
+def test_ngram_cache_reads_llama_cpps_files(tmp_path):
+    f = tmp_path / "static.bin"
+    # the 2-gram (5, 6) followed by 7 three times, by 8 once
+    f.write_bytes(struct.pack("=4i", 5, 6, -1, -1) + struct.pack("=i", 2) + struct.pack("=4i", 7, 3, 8, 1))
+    cache = read_lookup_cache(f)
+    assert cache == {(5, 6): {7: 3, 8: 1}}
+    d = NgramCache(str(f), None)
+    assert d.propose(d.begin([1, 2, 5, 6], None), 8).tokens[0] == 7
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"\x01\x02")
+    with pytest.raises(ValueError, match="bad.bin"):
+        read_lookup_cache(bad)
+    with pytest.raises(ValueError, match="unknown"):
+        make_ngram("ngram-nope", None)
