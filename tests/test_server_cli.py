@@ -39,7 +39,12 @@ def test_help_lists_the_flags():
     (["--port"], "--port"),
     (["-c", "lots"], "-c/--ctx-size"),
     (["-np", "0"], "-np/--parallel"),
-    (["--spec-type", "ngram-mod"], "not supported"),
+    (["--spec-type", "draft-eagle3"], "not supported"),
+    (["--spec-ngram-mod-n-match", "0"], "ngram size N must be between 1 and 1024 inclusive"),
+    (["--spec-ngram-simple-min-hits", "0"], "ngram min hits must be at least 1"),
+    (["--spec-ngram-size-n", "3"], "the argument has been removed. use the respective --spec-ngram-*-size-n"),
+    (["--spec-ngram-shared", "maybe"], "on or off"),
+    (["-lcs", "/nonexistent/cache.bin"], "-lcs"),
     (["--spec-type", "magic"], "unknown speculative"),
     (["--spec-mtp-mode", "tree"], "--spec-mtp-mode"),
     (["--spec-draft-p-min", "2"], "p-min"),
@@ -60,6 +65,47 @@ def test_bad_flags_exit_non_zero_with_a_message(args, needle):
 
 REFERENCE = ("--spec-type draft-mtp --spec-draft-model {mtp} -ngl all --spec-draft-ngl all -c 35000 -np 1 "
              "-b 2048 -ub 1024 --temp 0 --spec-draft-n-max {n} --spec-draft-p-min 0.0")
+
+
+def test_ngram_flags_as_llama_server_spells_them():
+    cfg = parse_args(["--spec-type", "ngram-mod,draft-mtp", "--spec-ngram-mod-n-min", "8",
+                      "--spec-ngram-map-k4v-size-m", "16", "--spec-ngram-shared", "off"])
+    assert cfg.speculative and cfg.ngram_types == ("ngram-mod",) and cfg.spec_types == "ngram-mod,draft-mtp"
+    assert cfg.ngram.mod_n_min == 8 and cfg.ngram.mod_n_max == 64 and cfg.ngram.map_k4v_size_m == 16
+    assert cfg.context_pool == 0 and cfg.spec_context
+    # context drafting comes with draft-mtp, and a flag turns it off
+    assert parse_args(["--spec-type", "draft-mtp"]).spec_context
+    assert not parse_args(["--spec-type", "draft-mtp", "--no-spec-context"]).spec_context
+    cfg = parse_args(["--spec-default"])
+    assert cfg.ngram_types == ("ngram-mod",) and (cfg.ngram.mod_n_match, cfg.ngram.mod_n_min) == (24, 48)
+
+
+def test_ngram_drafting_through_the_server_one_pool_per_key(tmp_path):
+    """A server with llama-server's n-gram line and two API keys: the same request
+    sent again with a key drafts from the context of that key's first; the other key's
+    first request does not see it."""
+    from stepmtp.models import default_model_path
+
+    text = "def add(a, b):\n    return a + b\n\n\n" * 3
+    args = ["-m", str(default_model_path()), "--spec-type", "ngram-mod,draft-mtp", "--spec-ngram-mod-n-match", "4",
+            "--spec-ngram-mod-n-min", "2", "-t", "1", "-np", "1", "--api-key", "k1,k2", "--no-spec-adaptive"]
+    from test_server import running
+
+    with running(args, tmp_path) as srv:
+
+        def ask(key: str) -> dict:
+            r = httpx.post(srv.url + "/completion", json={"prompt": text, "n_predict": 48, "temperature": 0,
+                                                           "cache_prompt": False},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first, again, other = ask("k1"), ask("k1"), ask("k2")
+        props = httpx.get(srv.url + "/props", headers={"Authorization": "Bearer k1"}, timeout=30).json()
+    assert first["content"] == again["content"] == other["content"]
+    assert props["default_generation_settings"]["params"]["speculative.types"] == "ngram-mod,draft-mtp"
+    assert again["mtp"]["draft_n_context"] > first["mtp"]["draft_n_context"]
+    assert other["mtp"]["draft_n_context"] == first["mtp"]["draft_n_context"]
 
 
 def test_reference_command_line_parses(tmp_path):
