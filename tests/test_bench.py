@@ -212,15 +212,15 @@ def test_gate_fails_when_kv_memory_grows(agree, prompts, baseline, monkeypatch):
 
 def test_gate_fails_with_shifted_drafts(agree, prompts, baseline, monkeypatch):
     """A broken driver: every draft token is off by one."""
-    from stepmtp.mtp import MTPDriver
+    from stepmtp.drafters.heads import Heads
 
-    pick = MTPDriver._pick  # (token, probability, hidden row, confidence) of the last draft decode
+    pick = Heads._pick  # (token, probability, hidden row, confidence) of the last draft decode
 
     def shifted(self, *a, **k):
         tok, p, h, conf = pick(self, *a, **k)
         return (tok + 1) % 500, p, h, conf
 
-    monkeypatch.setattr(MTPDriver, "_pick", shifted)
+    monkeypatch.setattr(Heads, "_pick", shifted)
     rep = G.check(bench(agree, prompts, "none,chain-3", repeat=1), baseline)
     assert not rep.ok
     assert any("chain-3" in f and "acc" in f for f in rep.failures), rep.text()

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from stepmtp import Engine, SamplingParams, SpecConfig
+from stepmtp.drafters.heads import Heads
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 N = 40
@@ -550,13 +551,13 @@ def test_gating_on_the_token_drawn_biases_the_tokens(tmp_path_factory, monkeypat
     import stepmtp.mtp as M
     from stepmtp.tiny import write_agree_model
 
-    pick = M.MTPDriver._pick
+    pick = Heads._pick
 
     def drawn_pick(self, d, s, i):
         tok, p, h, _ = pick(self, d, s, i)
         return tok, p, h, p  # the drawn token's own probability
 
-    monkeypatch.setattr(M.MTPDriver, "_pick", drawn_pick)
+    monkeypatch.setattr(Heads, "_pick", drawn_pick)
     decisions = _gate_on_confidence(monkeypatch, 0.4)
     path = write_agree_model(tmp_path_factory.mktemp("agree"), seed=0)[0]
     p, accepted = joint_counts_p(path, AGREE_HOT, "rejection", adaptive=True)
@@ -567,14 +568,14 @@ def _drafts_seen(monkeypatch) -> list[int]:
     import stepmtp.mtp as M
 
     seen: list[int] = []
-    pick = M.MTPDriver._pick
+    pick = Heads._pick
 
     def spy(self, d, s, i):
         out = pick(self, d, s, i)
         seen.append(out[0])
         return out
 
-    monkeypatch.setattr(M.MTPDriver, "_pick", spy)
+    monkeypatch.setattr(Heads, "_pick", spy)
     return seen
 
 
@@ -590,7 +591,7 @@ def test_a_draft_vocabulary_drafts_among_its_ids_and_keeps_the_greedy_text(tmp_p
     with Engine(path, mode="none", n_ctx=512) as eng:
         plain = eng.generate(PROMPT, n_predict=N, temperature=0)
     monkeypatch.setattr(DraftPlanner, "plan", lambda self, seqs, caps: list(caps))
-    monkeypatch.setattr(M.MTPDriver, "DRAFT_VOCAB_WINDOW", 10**9)
+    monkeypatch.setattr(Heads, "DRAFT_VOCAB_WINDOW", 10**9)
     seen = _drafts_seen(monkeypatch)
     ids = sorted(set(plain.tokens))
     cut = ids[len(ids) // 2] + 1  # about half the text's tokens can be drafted
@@ -612,7 +613,7 @@ def test_a_draft_vocabulary_missing_the_targets_tokens_widens(tiny, monkeypatch)
     doubles, up to the whole vocabulary."""
     import stepmtp.mtp as M
 
-    monkeypatch.setattr(M.MTPDriver, "DRAFT_VOCAB_WINDOW", 4)
+    monkeypatch.setattr(Heads, "DRAFT_VOCAB_WINDOW", 4)
     with Engine(tiny["embedded"], mode="chain", n_ctx=512, draft_vocab=8) as eng:
         eng.generate(PROMPT, n_predict=N, temperature=0)
         assert eng.driver.draft_vocab == 0  # 8 -> 16 -> .. -> 256 -> all 512
@@ -630,7 +631,7 @@ def test_a_draft_vocabulary_keeps_the_target_distribution(tmp_path_factory, monk
         ids = sorted(set(eng.generate(eng.tokenize("def f"), n_predict=3, seed=s, **AGREE_HOT).tokens[0]
                          for s in range(40)))
     cut = ids[len(ids) // 2]  # about half the first tokens cannot be drafted
-    monkeypatch.setattr(M.MTPDriver, "DRAFT_VOCAB_WINDOW", 10**9)  # nor is it widened
+    monkeypatch.setattr(Heads, "DRAFT_VOCAB_WINDOW", 10**9)  # nor is it widened
     seen = _drafts_seen(monkeypatch)
     assert speculation_samples_as_plain(path, AGREE_HOT, "rejection", draft_vocab=cut) > 10
     assert seen and max(seen) < cut
@@ -688,7 +689,7 @@ def test_heads_sitting_out_keep_a_bounded_window_of_rows(tiny, monkeypatch):
     import stepmtp.mtp as M
     from stepmtp.adaptive import DraftPlanner
 
-    monkeypatch.setattr(M.MTPDriver, "MAX_CATCH_UP", 8)
+    monkeypatch.setattr(Heads, "MAX_CATCH_UP", 8)
     best = DraftPlanner._best_plan
 
     def plan(self, seqs, caps):  # drafting nothing for 70 rounds, then as planned
@@ -720,7 +721,7 @@ def test_a_dormant_regime_leaves_the_prompt_to_the_target(tiny, monkeypatch):
     import stepmtp.mtp as M
     from stepmtp.adaptive import DraftPlanner
 
-    monkeypatch.setattr(M.MTPDriver, "MAX_CATCH_UP", 8)
+    monkeypatch.setattr(Heads, "MAX_CATCH_UP", 8)
     prompt = PROMPT * 3
     with Engine(tiny["embedded"], mode="none", n_ctx=512, n_batch=16, n_ubatch=16) as eng:
         plain = eng.generate(prompt, n_predict=60, temperature=0)

@@ -79,12 +79,14 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from .adaptive import DraftPlanner, SeqPolicy, regime
-from .drafters import PointMass, make_proposers
-from .drafters.context import ContextPool, ContextProposal, ContextRecord, expected_tokens
+from .drafters import PointMass
+from .drafters.context import ContextPool, ContextProposal
+from .drafters.drafting import ContextDrafting
+from .drafters.heads import Anchors, Heads, _masked
 from .drafters.ngram import NGRAM_TYPES, NgramConfig
 from .llama import Batch, Context, KVFullError, LlamaError, cpu_only
 from .prompt_cache import Checkpoint, HostPromptCache, SlotState, heads_path, read_heads, write_heads
-from .sampling import DraftShaper, Sampler, TokenProbs, chain_probs, draft_pick, raw_probs, verify_rejection
+from .sampling import DraftShaper, Sampler, TokenProbs, chain_probs, raw_probs, verify_rejection
 from .stats import GenStats
 
 log = logging.getLogger(__name__)
@@ -183,47 +185,6 @@ class SpecConfig:
         return self.n_max
 
 
-class _Anchors:
-    """The anchored rows (token_p, h_tgt(p-1)) for positions [start, end) that some
-    head still has to see (fused schedule). A preallocated buffer, compacted as
-    the slowest head catches up."""
-
-    def __init__(self, n_embd: int, capacity: int) -> None:
-        self.tok = np.zeros(capacity, dtype=np.int32)
-        self.h = np.zeros((capacity, n_embd), dtype=np.float32)
-        self.start = 0  # position of row 0
-        self.n = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.n
-
-    def reset(self, start: int = 0) -> None:
-        self.start, self.n = start, 0
-
-    def append(self, tokens: list[int] | np.ndarray, h_rows: np.ndarray) -> None:
-        k = len(tokens)
-        if k == 1 and self.n < len(self.tok):  # every round's id_last (half the time of slices)
-            self.tok[self.n] = tokens[0]
-            self.h[self.n] = h_rows[0]
-            self.n += 1
-            return
-        if self.n + k > len(self.tok):
-            cap = max(2 * len(self.tok), self.n + k)
-            tok, h = np.zeros(cap, dtype=np.int32), np.zeros((cap, self.h.shape[1]), dtype=np.float32)
-            tok[: self.n], h[: self.n] = self.tok[: self.n], self.h[: self.n]
-            self.tok, self.h = tok, h
-        self.tok[self.n : self.n + k] = tokens
-        self.h[self.n : self.n + k] = h_rows
-        self.n += k
-
-    def drop_before(self, pos: int) -> None:
-        k = min(max(0, pos - self.start), self.n)
-        if k:
-            self.tok[: self.n - k] = self.tok[k : self.n]
-            self.h[: self.n - k] = self.h[k : self.n]
-            self.n -= k
-            self.start += k
 
 
 @dataclass
@@ -245,7 +206,7 @@ class SeqState:
     #: up to kv_end[k] (exclusive): past kv_valid, the chained rows it last drafted from
     kv_valid: list[int] = field(default_factory=list)
     kv_end: list[int] = field(default_factory=list)
-    anchors: _Anchors | None = None
+    anchors: Anchors | None = None
     #: prompt processing: the prompt, and how much of it the target has decoded
     prompt: list[int] = field(default_factory=list)
     n_prefilled: int = 0
@@ -315,21 +276,13 @@ class _Cache:
 
     tokens: list[int]
     kv_valid: list[int]
-    anchors: _Anchors | None
+    anchors: Anchors | None
     h_log: dict[int, np.ndarray] | None
     #: when it was last used (the driver's clock): the least recently used goes first
     used: int = 0
     #: SeqState.checkpoints, of the sequence that left this cache
     checkpoints: list["Checkpoint"] = field(default_factory=list)
 
-
-def _masked(s: SeqState, row: np.ndarray, i: int | None = None) -> np.ndarray:
-    """``row`` with what the sequence's constraint forbids next at -inf (a copy: the
-    row is a view into llama.cpp's output buffer). ``i``: the row's depth in this
-    round's verification, whose mask the drafting step may have computed already."""
-    if s.constraint is None:
-        return row
-    return s.constraint.masked(row, s.draft_bits[i] if i is not None and i < s.n_masked else None)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -380,25 +333,6 @@ class MTPDriver:
     ``--ctx-checkpoints``), with a trimmed sliding-window cache.
     """
 
-    @staticmethod
-    def _head_plan(spec: SpecConfig, n_heads: int) -> tuple[list[int], list[int]]:
-        """(the heads a round drafts with, the heads the reference schedule
-        re-anchors): the first n_draft and every head when chaining, head 0 else."""
-        if spec.mode != "chain":
-            return [0], [0]
-        n_draft = spec.draft_length(n_heads) if spec.n_max > 0 else 0
-        return list(range(min(n_draft, n_heads))), list(range(n_heads))
-
-    @staticmethod
-    def heads_used(spec: SpecConfig, n_heads: int) -> list[int]:
-        """The heads a driver with these settings decodes (the draft contexts it
-        needs): those it drafts with, and with the reference schedule those it
-        re-anchors; none without speculation."""
-        if spec.mode == "none" or spec.n_max == 0 or n_heads == 0:
-            return []
-        heads, process = MTPDriver._head_plan(spec, n_heads)
-        return process if spec.schedule == "reference" else heads
-
     def __init__(self, target: Context, drafts: "list[Context | None] | None", spec: SpecConfig, *,
                  n_seq: int = 1, debug: bool = False, cache_ram: int = 0, checkpoints: int = 32) -> None:
         self.target = target
@@ -414,8 +348,8 @@ class MTPDriver:
         self.fused = spec.schedule == "fused"
         # the heads a round can use (the others are never decoded, nor anchored, in the
         # fused schedule); the change's schedule re-anchors every head each round
-        self.heads, self.process_heads = self._head_plan(spec, self.n_heads)
-        for k in self.heads_used(spec, self.n_heads) if self.speculate else []:
+        self.heads, self.process_heads = Heads.plan(spec, self.n_heads)
+        for k in Heads.used(spec, self.n_heads) if self.speculate else []:
             d = self.drafts[k] if k < len(self.drafts) else None
             if d is None or d.mtp_block not in (None, k):
                 raise ValueError(f"head {k} needs a draft context bound to block {k}")
@@ -456,26 +390,20 @@ class MTPDriver:
         target.set_nextn(self.speculate, masked=False)
         for d in live:
             d.set_nextn(True, masked=True)
-        want = spec.draft_vocab if spec.draft_vocab >= 0 else max(self.DRAFT_VOCAB_MIN, target.n_vocab // 4)
-        self._set_draft_vocab(want if live else 0)  # (plain decoding: nothing to count)
-        self._emitted = self._outside = 0  # the target's tokens, and those not draftable
         self._zero_h = np.zeros((1, self.n_embd), dtype=np.float32)
-        self._need_p = spec.p_min > 0 or debug
-        # context proposers (``drafters``): ours beside the heads, llama-server's n-gram types
-        self.proposers = make_proposers(spec, self.speculate) if spec.drafts_context else []
-        self._ctx_records: dict[tuple[int, tuple[float, bool]], ContextRecord] = {}
-        #: pools of earlier sequences' tokens for context drafting, by the key a request
-        #: names (the server's: its API key)
-        self.pools: dict[object, ContextPool] = {}
         # a verify's rows keep a one-row decode's bits on the CPU up to 63 rows (patch 0010's
         # per-row products up to 64 rows; flash attention tiles 64 query rows and more)
         self.max_verify_rows = min(self.n_chunk, self.MAX_INVARIANT_ROWS) if cpu_only() else self.n_chunk
         # the draft length of each sequence, chosen each round (None: always n_draft, and a
         # context proposal whole: see ``_propose``)
         self.planner = DraftPlanner(self.n_draft) if spec.adaptive and (
-            (self.speculate and spec.n_min < self.n_draft) or (self.proposers and not self.speculate)) else None
+            (self.speculate and spec.n_min < self.n_draft) or (spec.ngram and not self.speculate)) else None
         if self.planner is not None:
             self.planner.max_rows = self.max_verify_rows
+        #: the drafters: the MTP heads (their draft steps, catching up, the draft
+        #: vocabulary), and the context's proposers
+        self.H = Heads(self, debug)
+        self.C = ContextDrafting(self)
         # rejection sampling: what drafts are drawn from, learned per sampling regime
         self._shapers: dict[tuple[float, bool], DraftShaper] = {}
         #: per slot: what its KV holds since its last sequence ended (prompt caching)
@@ -487,35 +415,28 @@ class MTPDriver:
     #: the most rows a verify carries on the CPU (see ``max_verify_rows``)
     MAX_INVARIANT_ROWS = 63
 
-    # -- the draft vocabulary ------------------------------------------------------
+    #: the heads a driver with these settings decodes (the draft contexts it needs)
+    heads_used = staticmethod(Heads.used)
 
-    #: the fewest token ids an automatic draft vocabulary has
-    DRAFT_VOCAB_MIN = 2048
-    #: target tokens seen before the draft vocabulary's coverage is judged, and the
-    #: share of them it may miss
-    DRAFT_VOCAB_WINDOW = 512
-    DRAFT_VOCAB_MISS = 0.01
+    @property
+    def draft_vocab(self) -> int:
+        """The heads draft among token ids below this (0: all)."""
+        return self.H.draft_vocab
 
-    def _set_draft_vocab(self, n: int) -> None:
-        n = 0 if n >= self.target.n_vocab else n
-        for _, d in self._live():
-            n = d.set_draft_vocab(n)
-        #: the heads draft among token ids below this (0: all); ``_count_draftable``
-        self.draft_vocab = n
+    @property
+    def proposers(self) -> list:
+        """The context proposers (``drafters.Proposer``)."""
+        return self.C.proposers
 
-    def _count_draftable(self, out: list[int]) -> None:
-        """Counts the target's tokens the heads could not have drafted; past the window,
-        a vocabulary missing more than DRAFT_VOCAB_MISS of them doubles (a text in
-        another script than the vocabulary's first ids, say)."""
-        self._emitted += len(out)
-        if max(out) >= self.draft_vocab:
-            self._outside += sum(t >= self.draft_vocab for t in out)
-        if self._emitted >= self.DRAFT_VOCAB_WINDOW:
-            if self._outside > self.DRAFT_VOCAB_MISS * self._emitted:
-                self._set_draft_vocab(2 * self.draft_vocab)
-                log.info("drafting among the first %s token ids (%d of %d of the target's were beyond)",
-                         self.draft_vocab or "all", self._outside, self._emitted)
-            self._emitted = self._outside = 0
+    @property
+    def pools(self) -> dict[object, ContextPool]:
+        return self.C.pools
+
+    def pool(self, key: object) -> ContextPool | None:
+        """The pool of earlier sequences' tokens under ``key`` (None: none kept)."""
+        return self.C.pool(key)
+
+
 
     # -- timing: what runs inside llama.cpp, so the rest is Python's share ------
 
@@ -609,9 +530,7 @@ class MTPDriver:
         s.checkpoints = []
         s.anchor_from = n_keep
         s.tokens = list(prompt)
-        if self.proposers:
-            pool = self.pool(s.pool_key)
-            s.ctx = [pr.begin(s.tokens, pool) for pr in self.proposers]
+        self.C.begin(s)
         s.pos, s.id_last = 0, -1
         s.pending_h = self._zero_h[0]
         s.stats.n_prompt_cached = s.n_prefilled
@@ -634,7 +553,7 @@ class MTPDriver:
         if self.fused and self.speculate:
             s.kv_valid = [0] * self.n_heads
             s.kv_end = [0] * self.n_heads
-            s.anchors = s.anchors or _Anchors(self.n_embd, 2 * self.n_chunk)
+            s.anchors = s.anchors or Anchors(self.n_embd, 2 * self.n_chunk)
             s.anchors.reset()
         if n_keep:
             try:
@@ -678,8 +597,7 @@ class MTPDriver:
         (``keep``), or forget it (the sequence failed: its KV is not trusted)."""
         if s.ctx is not None:
             if not s.prefilling:
-                for pr, st in zip(self.proposers, s.ctx):
-                    pr.finish(st)
+                self.C.finish(s)
             s.ctx = None
         if not keep:
             self.release(s.seq_id)
@@ -723,7 +641,7 @@ class MTPDriver:
         A = None
         if st.anchors is not None and self.fused and self.speculate:
             start, tok, rows = st.anchors
-            A = _Anchors(self.n_embd, max(2 * self.n_chunk, len(tok)))
+            A = Anchors(self.n_embd, max(2 * self.n_chunk, len(tok)))
             A.reset(start)
             if len(tok):
                 A.append(tok, rows)
@@ -877,15 +795,15 @@ class MTPDriver:
                     s.anchors.append(chunk[:1], s.pending_h[None, :])
                 s.anchors.append(chunk[1:], h[:-1])
                 if s.policy is not None and self.planner.dormant(s.policy.key):
-                    self._bound_catch_up(s, end)  # (drafting does not pay where it samples so)
+                    self.H.bound_catch_up(s, end)  # (drafting does not pay where it samples so)
                 else:
-                    self._catch_up(s, keep=self.n_rows_seq - 1 - self.n_draft)
+                    self.H.catch_up(s, keep=self.n_rows_seq - 1 - self.n_draft)
             elif skip:
                 if len(chunk) > 1:
                     s.pending_h = h[0]
-                    self._process([(s, chunk[1:], a + 1, h[1:])])
+                    self.H.process([(s, chunk[1:], a + 1, h[1:])])
             else:
-                self._process([(s, chunk, a, h)])
+                self.H.process([(s, chunk, a, h)])
             s.pending_h = h[-1].copy()
         s.n_prefilled = end
         if out_row is not None:
@@ -995,19 +913,19 @@ class MTPDriver:
             s.proposal = None
             if s.constraint is not None:
                 s.constraint.begin_round()
-        if self.proposers:
-            self._propose(seqs)
+        if self.C.proposers:
+            self.C.propose(seqs)
         planned = [s for s in seqs if s.policy is not None]
         if planned:
             if self.fused and self.speculate:
                 for s in planned:
-                    if s.pos - min(s.kv_valid[k] for k in self.heads) > 2 * self.MAX_CATCH_UP:
+                    if s.pos - min(s.kv_valid[k] for k in self.heads) > 2 * Heads.MAX_CATCH_UP:
                         # heads that sat out this long start from the last MAX_CATCH_UP rows
                         # when they draft again: the rows before those are let go now (a
                         # long generation drafting nothing, at temperature 1 on a CPU, kept
                         # every row's hidden state: 16 KB a token at Step-3.5-Flash's width)
-                        self._bound_catch_up(s, s.pos + 1)
-                    s.policy.behind = sum(min(self.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
+                        self.H.bound_catch_up(s, s.pos + 1)
+                    s.policy.behind = sum(min(Heads.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
             plan = self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])
             for s, n in zip(planned, plan):
                 p = s.policy
@@ -1015,21 +933,21 @@ class MTPDriver:
                 s.n_point = min(p.n_forced, n) if s.proposal is not None else 0
                 if p.use == "context" or (n and s.n_point == n):
                     s.n_plan = 0
-                    self._context_drafts(s, n)
+                    self.C.drafts(s, n)
                 elif self.fused and n:
-                    self._bound_catch_up(s, s.pos + 1)
+                    self.H.bound_catch_up(s, s.pos + 1)
                 p.n_forced = s.n_point
         for s in seqs:
             if s.policy is None and s.proposal is not None and s.n_point:
                 s.n_plan = 0
-                self._context_drafts(s, s.n_point)
-        self._fit_rows(seqs)
+                self.C.drafts(s, s.n_point)
+        self.C.fit_rows(seqs)
         steps: list[float | None] = []
         t1 = time.perf_counter()
         if self.speculate and not self.fused:
-            steps = self._draft(seqs)  # (it also rewinds the heads the last round's process moved)
+            steps = self.H.draft(seqs)  # (it also rewinds the heads the last round's process moved)
         elif self.speculate and any(s.n_plan for s in seqs):  # (no drafts planned: nothing to do)
-            steps = self._draft_fused(seqs)
+            steps = self.H.draft_fused(seqs)
 
         t2 = time.perf_counter()
         timed = True
@@ -1091,7 +1009,7 @@ class MTPDriver:
         dt = (time.perf_counter() - t0) * 1e3
         if self.speculate and not self.fused:
             # process: re-anchor every head on the trunk rows, right-shifted by one
-            self._process([(s, [s.id_last, *s.drafts], s.pos, verify_h[i0 : i0 + len(s.drafts) + 1])
+            self.H.process([(s, [s.id_last, *s.drafts], s.pos, verify_h[i0 : i0 + len(s.drafts) + 1])
                            for s, i0 in zip(seqs, starts)])
         outs = []
         for s, i0 in zip(seqs, starts):
@@ -1163,8 +1081,7 @@ class MTPDriver:
             if self.fused:
                 # positions r+1 .. r+a+1 (accepted drafts, new id_last) wait for the heads
                 s.anchors.append(out, verify_h[: a + 1])
-        if self.draft_vocab:
-            self._count_draftable(out)
+        self.H.count_draftable(out)
         s.id_last = out[-1]
         s.pos = r + a + 1
         if a < n:
@@ -1174,8 +1091,7 @@ class MTPDriver:
             s.policy.observe(n, a)
         if s.n_point:
             k = min(n, s.n_point)
-            self._ctx_record(s).observe(s.proposal, k, a)
-            self.proposers[s.proposer].accepted(s.ctx[s.proposer], k, min(a, k))
+            self.C.accepted(s, k, min(a, k))
         if s.trace is not None:
             cells = [(d.seq_pos_min(s.seq_id), d.seq_pos_max(s.seq_id)) if d is not None else (-1, -1)
                      for d in self.drafts]
@@ -1193,365 +1109,10 @@ class MTPDriver:
             dense = s.sampler.dense(raw if row is None else row, s.tokens)
         return chain_probs(dense, tok, s.n_probs)
 
-    def _drafting(self, seqs: list[SeqState], i: int) -> list[SeqState]:
-        """The sequences that draft step i: planned that far, not stopped by p_min."""
-        return [s for s in seqs if i < s.n_plan and len(s.drafts) == i]
 
-    def _end_drafts(self, seqs: list[SeqState]) -> None:
-        for s in seqs:
-            if s.n_plan == 0:
-                continue  # (a context draft, made whole before the heads')
-            if s.constraint is not None and s.mask_drafts and s.drafts:
-                s.constraint.rollback(len(s.drafts))  # verification advances it again
-            if len(s.drafts) < self.spec.n_min:
-                s.drafts = []
 
-    # -- the change's schedule ---------------------------------------------------
 
-    def _draft(self, seqs: list[SeqState]) -> list[float | None]:
-        """Up to n_plan draft tokens per sequence from the heads (chained, or head 0
-        looped); the seconds each step took."""
-        b = self.dbatch
-        steps: list[float | None] = []
-        for i in range(self.n_draft):
-            active = self._drafting(seqs, i)
-            if not active:
-                break
-            t0 = time.perf_counter()
-            b.clear()
-            # chain: head i has no KV past r, it decodes the whole prefix with the
-            # previous heads' output rows as its hidden inputs; single: head 0 starts,
-            # then grows its own rows
-            k = i if self.spec.mode == "chain" else 0
-            d = self.drafts[k]
-            if self.spec.mode == "chain" or i == 0:
-                for s in active:
-                    d.seq_rm(s.seq_id, s.pos)
-                    j = b.append([s.id_last, *s.drafts], s.pos, s.seq_id, outputs="last")
-                    b.embd[j] = s.pending_h
-                    b.embd[j + 1 : j + 1 + i] = s.chain_h[:i]
-                    s.row = b.n - 1
-            else:
-                self._grow_single(active, i)
-            if not self._decode_step(d, active, i):
-                break
-            steps.append(time.perf_counter() - t0)
-        for s in seqs:
-            for k in self.heads:
-                self.drafts[k].seq_rm(s.seq_id, s.pos)
-        self._end_drafts(seqs)
-        return steps
 
-    def _process(self, items: list[tuple[SeqState, list[int], int, np.ndarray]]) -> None:
-        """Teacher-force every head on each item's ``tokens`` at p0.. with the trunk
-        rows [pending_h, h_tgt[0], .., h_tgt[n-2]] (right-shifted by one), no outputs."""
-        b = self.dbatch
-        b.clear()
-        for s, tokens, p0, h_tgt in items:
-            j = b.append(tokens, p0, s.seq_id, outputs="none")
-            b.embd[j] = s.pending_h
-            b.embd[j + 1 : j + len(tokens)] = h_tgt[: len(tokens) - 1]
-        seqs = [it[0] for it in items]
-        for k in self.process_heads:
-            # the same batch into every head's context
-            d = self.drafts[k]
-            for s, _, p0, _ in items:
-                d.seq_rm(s.seq_id, p0)
-            try:
-                self._decode_evicting(d, b, seqs)
-            except KVFullError:
-                # no room: the head starts over on these sequences (a later decode may
-                # start anywhere in an empty sequence, not after a gap)
-                for s in seqs:
-                    d.seq_rm(s.seq_id)
-
-    # -- the fused schedule --------------------------------------------------------
-
-    def _draft_fused(self, seqs: list[SeqState]) -> list[float | None]:
-        """Draft with one decode per head used, each carrying, per sequence, the
-        anchored rows the head has not seen (through id_last@r) and then the chained
-        prefix; the seconds each step took (None: a step that first caught a head up
-        on the rows of rounds it sat out, not what a step costs)."""
-        b = self.dbatch
-        steps: list[float | None] = []
-        for i in range(self.n_draft):
-            active = self._drafting(seqs, i)
-            if not active:
-                break
-            t0 = time.perf_counter()
-            k = i if self.spec.mode == "chain" else 0
-            d = self.drafts[k]
-            head_step = self.spec.mode == "chain" or i == 0
-            # a head that drafted last round has the rows it accepted to take in (at most
-            # n_draft); one that sat out rounds (a shorter plan) takes theirs in too, and
-            # a step timed then costed the deeper plans by what switching to them cost
-            # once: steps 2 and 3 were timed at twice step 1 (they cost the same), and
-            # the plan drafted 1 where 3 paid (four clients at temperature 0)
-            behind = head_step and any(s.pos - s.kv_valid[k] > self.n_draft for s in active)
-            if head_step:
-                for s in active:
-                    # rows [kv_valid[k], r]: anchored; the last one is id_last@r with pending_h
-                    self._catch_up(s, keep=self.n_rows_seq - 1 - i, heads=[k])
-            b.clear()  # after the catch-ups: their decodes fill the same batch
-            # head k's bookkeeping before this step's decode, should it find no room
-            before = [(s, s.kv_valid[k], s.kv_end[k]) for s in active]
-            if head_step:
-                for s in active:
-                    A = s.anchors
-                    a0 = s.kv_valid[k] - A.start
-                    self._trim(s, k)
-                    b.append(A.tok[a0 : A.n], s.kv_valid[k], s.seq_id, embd=A.h[a0 : A.n])
-                    # then [d1@r+1, .., di@r+i] with the chained rows out_0 .. out_{i-1}
-                    if i:
-                        b.append(s.drafts, s.pos + 1, s.seq_id, embd=s.chain_h[:i])
-                    s.row = b.n - 1
-                    b.logits[s.row] = 1
-                    s.kv_valid[k] = s.pos + 1
-                    s.kv_end[k] = s.pos + 1 + i
-            else:
-                self._grow_single(active, i)
-            if not self._decode_step(d, active, i):
-                for s, valid, end in before:  # nothing of the batch was decoded
-                    s.kv_valid[k], s.kv_end[k] = valid, end
-                break
-            steps.append(None if behind else time.perf_counter() - t0)
-        for s in seqs:
-            s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
-        self._end_drafts(seqs)
-        return steps
-
-    #: adaptive length: the most rows a head catches up on when drafting resumes
-    MAX_CATCH_UP = 256
-
-    def _bound_catch_up(self, s: SeqState, end: int) -> None:
-        """Adaptive length: a head that sat out many rounds starts over from the last
-        MAX_CATCH_UP rows it missed (of the anchored ones, up to ``end``), its older KV
-        dropped (llama.cpp takes a sequence's positions only as a continuation of what
-        its KV holds, or from scratch), and so do the rows kept for it. Otherwise the
-        round that probes whether drafting pays again would pay for the whole pause
-        first (the prompt included), and probing would cost more than it can win.
-        Drafts only get worse, never wrong: the target verifies them."""
-        floor = end - self.MAX_CATCH_UP
-        for k in self.heads:
-            if s.kv_valid[k] < floor:
-                self.drafts[k].seq_rm(s.seq_id)
-                s.kv_valid[k] = s.kv_end[k] = floor
-        s.anchors.drop_before(min(s.kv_valid[k] for k in self.heads))
-
-    def _catch_up(self, s: SeqState, keep: int, heads: list[int] | None = None) -> None:
-        """Decode, without outputs, the anchored rows of each head beyond the last
-        ``keep`` (whole chunks), so the next shared decode fits in a batch."""
-        b, A = self.dbatch, s.anchors
-        for k in self.heads if heads is None else heads:
-            d = self.drafts[k]
-            while A.end - s.kv_valid[k] > keep:
-                a0 = s.kv_valid[k] - A.start
-                m = min(self.n_chunk, A.end - s.kv_valid[k] - keep)
-                self._trim(s, k)
-                b.fill(A.tok[a0 : a0 + m], s.kv_valid[k], s.seq_id, outputs="none", embd=A.h[a0 : a0 + m])
-                t0 = time.perf_counter()
-                try:
-                    self._decode_evicting(d, b, [s])
-                except KVFullError:
-                    return  # the rows wait in the anchors for a decode with room
-                if self.planner is not None:
-                    self.planner.observe_catch_up(m, time.perf_counter() - t0)
-                s.kv_valid[k] += m
-                s.kv_end[k] = s.kv_valid[k]
-        A.drop_before(min(s.kv_valid[k] for k in self.heads))
-
-    def _trim(self, s: SeqState, k: int) -> None:
-        """Drop head k's cells past its anchored prefix (the chained rows of its last
-        draft), if it has any: llama.cpp's seq_rm scans every cell of the stream."""
-        if s.kv_end[k] > s.kv_valid[k]:
-            self.drafts[k].seq_rm(s.seq_id, s.kv_valid[k])
-            s.kv_end[k] = s.kv_valid[k]
-
-    # -- context drafts --------------------------------------------------------------
-
-    def pool(self, key: object) -> ContextPool | None:
-        """The pool of earlier sequences' tokens under ``key`` (None: none kept)."""
-        if not self.spec.pool_tokens:
-            return None
-        p = self.pools.get(key)
-        if p is None:
-            p = self.pools[key] = ContextPool(self.spec.pool_tokens)
-        return p
-
-    def _ctx_record(self, s: SeqState) -> ContextRecord:
-        key = (s.proposer, regime(s.sampler.greedy, s.sampler.params.temperature, s.rejection))
-        r = self._ctx_records.get(key)
-        if r is None:
-            r = self._ctx_records[key] = ContextRecord()
-        return r
-
-    def _propose(self, seqs: list[SeqState]) -> None:
-        """Each sequence's context proposal this round: the one of its proposers that
-        promises the most tokens, with each token's chance of acceptance (for the plan)."""
-        rows = self.max_verify_rows - len(seqs)
-        for s in seqs:
-            cap = min(self.spec.context_max, self.n_ctx_seq - 1 - s.pos, self.n_rows_seq - 1, rows)
-            if s.budget > 0:
-                cap = min(cap, s.budget - 1)  # (tokens past the request's end are wasted rows)
-            best, best_e, best_acc = None, 1.0, None
-            for i, (pr, st) in enumerate(zip(self.proposers, s.ctx)):
-                prop = pr.propose(st, cap) if cap > 0 else None
-                if prop is None:
-                    continue
-                s.proposer = i
-                acc = self._ctx_record(s).accepts(prop)
-                e = expected_tokens(acc, len(acc))
-                if e > best_e:
-                    best, best_e, best_acc = (i, prop), e, acc
-            if best is not None:
-                s.proposer, s.proposal = best
-                # without a plan: the whole proposal, as llama-server verifies an n-gram draft,
-                # where the heads cannot draft instead; beside them, where it promises two
-                # tokens or more
-                use = not self.speculate or best_e >= 2.0
-                s.n_point = len(s.proposal.tokens) if s.policy is None and use else 0
-            if s.policy is not None:
-                s.policy.context = best_acc
-
-    def _context_drafts(self, s: SeqState, n: int) -> None:
-        """The round's drafts: the proposal's first n tokens, as far as a grammar allows."""
-        toks = s.proposal.tokens[:n]
-        c = s.constraint
-        if c is not None:
-            k = 0
-            for tok in toks:
-                if not c.allowed(tok):
-                    break
-                c.advance(tok)
-                k += 1
-            c.rollback(k)  # (verification advances it again)
-            toks = toks[:k]
-        s.drafts = list(toks)
-        s.n_point = len(toks)
-        if s.policy is not None:
-            s.policy.n_forced = s.n_point
-
-    def _fit_rows(self, seqs: list[SeqState]) -> None:
-        """Context drafts cut so that the round's verify stays within max_verify_rows
-        (the plan keeps to it; a plan-less round may not)."""
-        over = len(seqs) + sum(len(s.drafts) + s.n_plan for s in seqs) - self.max_verify_rows
-        for s in sorted(seqs, key=lambda s: -len(s.drafts)):
-            if over <= 0:
-                break
-            if s.n_plan == 0 and s.drafts:
-                cut = min(over, len(s.drafts))
-                del s.drafts[len(s.drafts) - cut :]
-                s.n_point = len(s.drafts)
-                if s.policy is not None:
-                    s.policy.n_forced = s.n_point
-                over -= cut
-
-    def _take_forced(self, d: Context, s: SeqState, i: int) -> None:
-        """Draft step i takes the context's token at depth i (``extend``): the head's
-        output row chains the next step, the grammar masks it as a head's draft."""
-        tok = s.proposal.tokens[i]
-        h = d.nextn_ith(s.row)
-        c = s.constraint
-        if c is not None and s.mask_drafts:
-            c.fill_bitmask(out=s.draft_bits[i])
-            s.n_masked = i + 1
-            if not c.allowed(tok):
-                s.n_point = i
-                return
-            c.advance(tok)
-        s.probs[i] = 1.0
-        s.drafts.append(tok)
-        s.chain_h[i] = h
-
-    # -- shared pieces -------------------------------------------------------------
-
-    def _grow_single(self, active: list[SeqState], i: int) -> None:
-        """Single mode after step 0: head 0's own KV holds the round's earlier rows,
-        so each sequence adds just its last draft with the last output row."""
-        for s in active:
-            s.row = self.dbatch.append([s.drafts[-1]], s.pos + i, s.seq_id, outputs="last",
-                                       embd=s.chain_h[i - 1 : i])
-            if self.fused:
-                s.kv_end[0] = s.pos + i + 1
-
-    def _decode_step(self, d: Context, active: list[SeqState], i: int) -> bool:
-        """Run draft step i's decode (on head context ``d``) and take each sequence's
-        draft token; False when the heads' cache has no room (drafting stops there)."""
-        try:
-            self._decode_evicting(d, self.dbatch, active)
-        except KVFullError:
-            return False
-        for s in active:
-            self._take_draft(d, s, i)
-        return True
-
-    def _take_draft(self, d: Context, s: SeqState, i: int) -> None:
-        """Take draft token i from the sequence's output row of the last draft
-        decode, unless it is below p_min (which ends the sequence's drafting)."""
-        if i < s.n_point:  # the context's token, the head's row to chain the next step from
-            self._take_forced(d, s, i)
-            return
-        tok, p, h, conf = self._pick(d, s, i)
-        if p < self.spec.p_min:
-            return
-        if s.policy is not None and not s.policy.keep(i, conf, s.n_plan):
-            return  # too unsure a draft to pay for its row: drafting stops here
-        c = s.constraint
-        if c is not None and s.mask_drafts:
-            if not c.allowed(tok):  # nothing allowed (the grammar is over): stop drafting
-                return
-            c.advance(tok)
-        s.probs[i] = p
-        s.drafts.append(tok)
-        s.chain_h[i] = h
-
-    def _pick(self, d: Context, s: SeqState, i: int) -> tuple[int, float, np.ndarray, float]:
-        """Draft token i from the last decode (on head context ``d``), its
-        probability, its hidden row, and how sure the head was (the largest
-        probability of what it drafted from; 1.0 when no plan gates on it)."""
-        t0 = time.perf_counter()
-        logits = d.logits(s.row)
-        if self.draft_vocab:
-            logits[self.draft_vocab :] = -np.inf  # the ids the head's logits leave out
-        h = d.nextn_ith(s.row)
-        dt = (time.perf_counter() - t0) * 1e3
-        s.stats.t_llama_ms += dt
-        s.stats.t_draft_ms += dt
-        c = s.constraint
-        if c is not None and s.mask_drafts:
-            # grammar-aware drafting: the head only proposes what the grammar allows
-            # after the drafts before it (forced tokens get drafted, and accepted);
-            # the mask is kept for the verifier's row i
-            c.fill_bitmask(out=s.draft_bits[i])
-            s.n_masked = i + 1
-            logits = _masked(s, logits, i)
-            if s.rejection and not np.isfinite(logits.max()):
-                return 0, 0.0, h, 0.0  # nothing the grammar allows among the draft vocabulary
-        if s.rejection:
-            # drawn from the head's distribution under the request's settings, shaped
-            # to be accepted more (DraftShaper); q kept for verification
-            q = s.q[i]
-            if s.shaper is None:
-                q[:] = s.sampler.dense(logits, s.tokens, s.drafts)
-            else:
-                s.q0[i] = s.sampler.dense(logits, s.tokens, s.drafts)
-                s.shaper.shape(s.q0[i], i, q)
-            tok = s.sampler.draw(q)
-            # of the head's own distribution, not of the draw: the gate keeps the output
-            # exact only if the drawn token has no say in whether it is verified
-            conf = float((s.q[i] if s.shaper is None else s.q0[i]).max()) if s.policy is not None else 1.0
-            return tok, float(q[tok]), h, conf
-        if self._need_p:
-            tok, p = draft_pick(logits)
-        else:  # p_min 0 and no trace: the probability is never looked at
-            tok, p = int(np.argmax(logits)), 1.0
-        conf = 1.0
-        if s.policy is not None:
-            # the softmax's largest entry, the argmax's (8k entries: ~20 us), over the ids
-            # the head drafts among (the others are -inf)
-            top = logits[tok]
-            conf = float(1.0 / np.exp(logits[: self.draft_vocab or None] - top).sum()) if np.isfinite(top) else 0.0
-        return tok, p, h, conf
 
     def _log_h(self, s: SeqState, p0: int, h: np.ndarray) -> None:
         if s.h_log is not None:

@@ -51,6 +51,9 @@ class BenchConfig:
     #: server slots (-np): 0 the bench's choice (1, or --parallel's N), -1 the server's
     #: default (auto: 4 slots, a unified KV cache), N that many
     slots: int = 0
+    #: draft from the context too (stepmtp only; off: the MTP3 change's benchmark measures
+    #: the heads, and its counts are the CI gate's)
+    context: bool = False
 
     def __post_init__(self) -> None:
         if self.slots and self.backend not in ("server", "llama-server"):
@@ -73,6 +76,8 @@ class BenchConfig:
             raise ValueError("the C++ llama-server drafts with one MTP block (mode single), it cannot chain")
         if self.backend == "llama-server" and self.schedule != "fused":
             raise ValueError("the C++ llama-server has one schedule (the single-block one)")
+        if self.context and (self.backend == "llama-server" or self.mode == "none"):
+            raise ValueError("context drafting (ctx) is stepmtp's, beside the heads")
         if self.mode != "none" and self.n_max < 1:
             raise ValueError("speculation needs n_max >= 1")
 
@@ -84,7 +89,7 @@ class BenchConfig:
         temp = f"-t{self.temperature:g}" if self.temperature > 0 else ""
         ref = "-ref" if self.schedule == "reference" else ""
         rej = "-rej" if self.verify == "rejection" else ("-exact" if self.temperature > 0 else "")
-        adapt = "-adapt" if self.adaptive else ""
+        adapt = ("-adapt" if self.adaptive else "") + ("-ctx" if self.context else "")
         np_ = "" if not self.slots else ("-npauto" if self.slots < 0 else f"-np{self.slots}")
         if self.mode == "none":
             return prefix + "none" + temp + np_
@@ -118,7 +123,8 @@ class BenchConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "mode": self.mode, "n_max": self.n_max if self.mode != "none" else 0,
                 "schedule": self.schedule, "backend": self.backend, "temperature": self.temperature,
-                "verify": self.verify, "adaptive": self.adaptive, "slots": self.slots}
+                "verify": self.verify, "adaptive": self.adaptive, "slots": self.slots,
+                "context": self.context}
 
     def request_settings(self) -> dict[str, Any]:
         """Sampling of a request: greedy, or this temperature with a fixed seed."""
@@ -130,9 +136,10 @@ class BenchConfig:
     def parse(cls, spec: str) -> "BenchConfig":
         """``none``, ``chain-3``, ``single:2``, ``chain-3-ref``, ``cpp-single-2``,
         ``cpp-none``, ``srv-chain-3``, ``chain-3-adapt``, ``chain-3-t0.7-rej``,
-        ``none-t0.7``, ``srv-none-npauto`` (``:`` or ``-`` separated; ``tX`` samples at
-        temperature X, ``rej``/``exact`` picks the verification, ``adapt`` the adaptive
-        length, ``npN``/``npauto`` a server's slots)."""
+        ``none-t0.7``, ``srv-none-npauto``, ``chain-3-adapt-ctx`` (``:`` or ``-`` separated;
+        ``tX`` samples at temperature X, ``rej``/``exact`` picks the verification, ``adapt``
+        the adaptive length, ``ctx`` context drafting beside the heads, ``npN``/``npauto``
+        a server's slots)."""
         parts = [p for p in spec.strip().replace(":", "-").split("-") if p]
         backend = "engine"
         if parts and parts[0] in ("cpp", "llama", "srv", "server"):
@@ -151,6 +158,8 @@ class BenchConfig:
                 kw["schedule"] = "fused" if p == "fused" else "reference"
             elif p in ("adapt", "adaptive") and mode != "none":
                 kw["adaptive"] = True
+            elif p == "ctx" and mode != "none":
+                kw["context"] = True
             elif p in ("rej", "rejection", "exact") and mode != "none":
                 kw["verify"] = "exact" if p == "exact" else "rejection"
             elif p.startswith("t") and _is_float(p[1:]):
@@ -375,7 +384,7 @@ class EngineRunner(Runner):
 
         c = self.config
         self.engine = Engine(self.model, mtp_model=self.mtp_model, mode=c.mode, n_max=max(1, c.n_max),
-                             schedule=c.schedule, verify=c.verify, adaptive=c.adaptive, **self.kw)
+                             schedule=c.schedule, verify=c.verify, adaptive=c.adaptive, context=c.context, **self.kw)
 
     def run(self, category: str, prompt: str, n_predict: int) -> Result:
         t0 = time.perf_counter()
@@ -653,6 +662,8 @@ class ServerRunner(URLRunner):
                 if config.schedule != "fused":
                     argv += ["--spec-schedule", config.schedule]
                 argv += ["--spec-adaptive" if config.adaptive else "--no-spec-adaptive"]
+                if not config.context:
+                    argv += ["--no-spec-context"]
         if batch_invariant and config.backend == "server":
             argv += ["--spec-batch-invariant"]
         argv += list(placement_args)  # llama-server's flags: the same for both servers

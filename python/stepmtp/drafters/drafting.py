@@ -1,0 +1,127 @@
+"""Context drafting in the round: each sequence's proposal, the records that cost it,
+the pools of earlier sequences (see ``drafters.context`` and ``drafters.ngram`` for the
+proposers themselves)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..adaptive import regime
+from . import make_proposers
+from .context import ContextPool, ContextRecord, expected_tokens
+
+if TYPE_CHECKING:
+    from ..mtp import MTPDriver, SeqState
+
+__all__ = ["ContextDrafting"]
+
+
+class ContextDrafting:
+    """A driver's context proposers, their acceptance records (per proposer and
+    sampling regime) and pools (per key a request names)."""
+
+    def __init__(self, drv: "MTPDriver") -> None:
+        self.drv = drv
+        self.spec = drv.spec
+        # ours beside the heads, llama-server's n-gram types as listed
+        self.proposers = make_proposers(self.spec, drv.speculate) if self.spec.drafts_context else []
+        self._ctx_records: dict[tuple[int, tuple[float, bool]], ContextRecord] = {}
+        #: pools of earlier sequences' tokens, by the key a request names (the server's:
+        #: its API key)
+        self.pools: dict[object, ContextPool] = {}
+
+    def begin(self, s: "SeqState") -> None:
+        """A new sequence (its tokens the prompt so far): each proposer's state for it."""
+        if self.proposers:
+            pool = self.pool(s.pool_key)
+            s.ctx = [pr.begin(s.tokens, pool) for pr in self.proposers]
+
+    def finish(self, s: "SeqState") -> None:
+        for pr, st in zip(self.proposers, s.ctx):
+            pr.finish(st)
+
+    def accepted(self, s: "SeqState", n_drafted: int, n_accepted: int) -> None:
+        """The round verified ``n_drafted`` of the proposal's tokens, accepted ``n_accepted``."""
+        self.record(s).observe(s.proposal, n_drafted, n_accepted)
+        self.proposers[s.proposer].accepted(s.ctx[s.proposer], n_drafted, n_accepted)
+
+
+    def pool(self, key: object) -> ContextPool | None:
+        """The pool of earlier sequences' tokens under ``key`` (None: none kept)."""
+        if not self.spec.pool_tokens:
+            return None
+        p = self.pools.get(key)
+        if p is None:
+            p = self.pools[key] = ContextPool(self.spec.pool_tokens)
+        return p
+
+
+    def record(self, s: SeqState) -> ContextRecord:
+        key = (s.proposer, regime(s.sampler.greedy, s.sampler.params.temperature, s.rejection))
+        r = self._ctx_records.get(key)
+        if r is None:
+            r = self._ctx_records[key] = ContextRecord()
+        return r
+
+
+    def propose(self, seqs: list[SeqState]) -> None:
+        """Each sequence's context proposal this round: the one of its proposers that
+        promises the most tokens, with each token's chance of acceptance (for the plan)."""
+        rows = self.drv.max_verify_rows - len(seqs)
+        for s in seqs:
+            cap = min(self.spec.context_max, self.drv.n_ctx_seq - 1 - s.pos, self.drv.n_rows_seq - 1, rows)
+            if s.budget > 0:
+                cap = min(cap, s.budget - 1)  # (tokens past the request's end are wasted rows)
+            best, best_e, best_acc = None, 1.0, None
+            for i, (pr, st) in enumerate(zip(self.proposers, s.ctx)):
+                prop = pr.propose(st, cap) if cap > 0 else None
+                if prop is None:
+                    continue
+                s.proposer = i
+                acc = self.record(s).accepts(prop)
+                e = expected_tokens(acc, len(acc))
+                if e > best_e:
+                    best, best_e, best_acc = (i, prop), e, acc
+            if best is not None:
+                s.proposer, s.proposal = best
+                # without a plan: the whole proposal, as llama-server verifies an n-gram draft,
+                # where the heads cannot draft instead; beside them, where it promises two
+                # tokens or more
+                use = not self.drv.speculate or best_e >= 2.0
+                s.n_point = len(s.proposal.tokens) if s.policy is None and use else 0
+            if s.policy is not None:
+                s.policy.context = best_acc
+
+
+    def drafts(self, s: SeqState, n: int) -> None:
+        """The round's drafts: the proposal's first n tokens, as far as a grammar allows."""
+        toks = s.proposal.tokens[:n]
+        c = s.constraint
+        if c is not None:
+            k = 0
+            for tok in toks:
+                if not c.allowed(tok):
+                    break
+                c.advance(tok)
+                k += 1
+            c.rollback(k)  # (verification advances it again)
+            toks = toks[:k]
+        s.drafts = list(toks)
+        s.n_point = len(toks)
+        if s.policy is not None:
+            s.policy.n_forced = s.n_point
+
+
+    def fit_rows(self, seqs: list[SeqState]) -> None:
+        """Context drafts cut so that the round's verify stays within max_verify_rows
+        (the plan keeps to it; a plan-less round may not)."""
+        over = len(seqs) + sum(len(s.drafts) + s.n_plan for s in seqs) - self.drv.max_verify_rows
+        for s in sorted(seqs, key=lambda s: -len(s.drafts)):
+            if over <= 0:
+                break
+            if s.n_plan == 0 and s.drafts:
+                cut = min(over, len(s.drafts))
+                del s.drafts[len(s.drafts) - cut :]
+                s.n_point = len(s.drafts)
+                if s.policy is not None:
+                    s.policy.n_forced = s.n_point
+                over -= cut
