@@ -45,6 +45,17 @@ which position head k is anchored; a head not used in a round is not decoded at
 all, and catches up on every row it missed the next time it is used. Per round: one
 decode per head used, plus the target's.
 
+Who drafts (``drafters``): the heads (``drafters.heads.Heads``: the draft steps above,
+their catching up, their draft vocabulary) and the context's proposers
+(``drafters.drafting.ContextDrafting``: continuations of text the sequence or an
+earlier one already holds, no decode needed). Each round the plan
+(``adaptive.DraftPlanner``) chooses per sequence the heads' drafts, a context draft,
+a context draft the heads extend, or nothing, by expected tokens per second; the verify
+and accept steps are the same for every kind (a context draft is a point proposal:
+rejection sampling accepts it with the target's probability of it). A verify carries
+at most ``max_verify_rows`` rows (63 on the CPU), where every row keeps a one-row
+decode's bits.
+
 At temperature 0 the output is token for token what plain greedy decoding gives.
 
 Sliding-window layers keep llama-server's cache (the window plus one ubatch of
@@ -377,7 +388,8 @@ class MTPDriver:
         # (STEPMTP_SHARED_PROMPTS=0 in the environment: a decode each, for measuring)
         self.share_prompt_decodes = n_seq > 1 and target.kv_unified and cpu_only() and target.model.rpc is None \
             and os.environ.get("STEPMTP_SHARED_PROMPTS", "1") != "0"
-        self.row_invariant_rows = int(os.environ.get("GGML_CPU_ROW_INVARIANT_ROWS", "16"))
+        # (patch 0010: 64 rows; kept under flash attention's 64-row tiles)
+        self.row_invariant_rows = min(int(os.environ.get("GGML_CPU_ROW_INVARIANT_ROWS", "64")), self.MAX_INVARIANT_ROWS)
         # rows one sequence may put in a shared decode: every sequence's rows must fit
         self.n_rows_seq = self.n_chunk // n_seq
         if self.n_rows_seq <= self.n_draft + 1:
@@ -913,35 +925,7 @@ class MTPDriver:
             s.proposal = None
             if s.constraint is not None:
                 s.constraint.begin_round()
-        if self.C.proposers:
-            self.C.propose(seqs)
-        planned = [s for s in seqs if s.policy is not None]
-        if planned:
-            if self.fused and self.speculate:
-                for s in planned:
-                    if s.pos - min(s.kv_valid[k] for k in self.heads) > 2 * Heads.MAX_CATCH_UP:
-                        # heads that sat out this long start from the last MAX_CATCH_UP rows
-                        # when they draft again: the rows before those are let go now (a
-                        # long generation drafting nothing, at temperature 1 on a CPU, kept
-                        # every row's hidden state: 16 KB a token at Step-3.5-Flash's width)
-                        self.H.bound_catch_up(s, s.pos + 1)
-                    s.policy.behind = sum(min(Heads.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
-            plan = self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])
-            for s, n in zip(planned, plan):
-                p = s.policy
-                s.n_plan = n
-                s.n_point = min(p.n_forced, n) if s.proposal is not None else 0
-                if p.use == "context" or (n and s.n_point == n):
-                    s.n_plan = 0
-                    self.C.drafts(s, n)
-                elif self.fused and n:
-                    self.H.bound_catch_up(s, s.pos + 1)
-                p.n_forced = s.n_point
-        for s in seqs:
-            if s.policy is None and s.proposal is not None and s.n_point:
-                s.n_plan = 0
-                self.C.drafts(s, s.n_point)
-        self.C.fit_rows(seqs)
+        planned = self._plan(seqs)
         steps: list[float | None] = []
         t1 = time.perf_counter()
         if self.speculate and not self.fused:
@@ -983,6 +967,42 @@ class MTPDriver:
                     d.seq_rm(s.seq_id)
                 outs[id(s)] = e
         return [outs[id(s)] for s in seqs]
+
+    def _plan(self, seqs: list[SeqState]) -> bool:
+        """Who drafts what this round: each sequence's context proposal, then the plan's
+        choice per sequence (the heads' drafts: ``n_plan`` steps; a context draft,
+        made here; the context's first tokens the heads extend; nothing). True when the
+        plan chose (its round is then timed for it)."""
+        if self.C.proposers:
+            self.C.propose(seqs)
+        planned = [s for s in seqs if s.policy is not None]
+        if planned:
+            if self.fused and self.speculate:
+                for s in planned:
+                    if s.pos - min(s.kv_valid[k] for k in self.heads) > 2 * Heads.MAX_CATCH_UP:
+                        # heads that sat out this long start from the last MAX_CATCH_UP rows
+                        # when they draft again: the rows before those are let go now (a
+                        # long generation drafting nothing, at temperature 1 on a CPU, kept
+                        # every row's hidden state: 16 KB a token at Step-3.5-Flash's width)
+                        self.H.bound_catch_up(s, s.pos + 1)
+                    s.policy.behind = sum(min(Heads.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
+            plan = self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])
+            for s, n in zip(planned, plan):
+                p = s.policy
+                s.n_plan = n
+                s.n_point = min(p.n_forced, n) if s.proposal is not None else 0
+                if p.use == "context" or (n and s.n_point == n):
+                    s.n_plan = 0
+                    self.C.drafts(s, n)
+                elif self.fused and n:
+                    self.H.bound_catch_up(s, s.pos + 1)
+                p.n_forced = s.n_point
+        for s in seqs:
+            if s.policy is None and s.proposal is not None and s.n_point:
+                s.n_plan = 0
+                self.C.drafts(s, s.n_point)
+        self.C.fit_rows(seqs)
+        return bool(planned)
 
     @staticmethod
     def _drop_drafts(seqs: list[SeqState]) -> bool:
