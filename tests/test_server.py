@@ -136,9 +136,10 @@ def agree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(agree: Path, tmp_path_factory: pytest.TempPathFactory):
     # -t 1: the tests share a small machine; two spinning llama.cpp threads on a busy
     # core are far slower than one
-    # a fixed draft length: the tests compare its counts with the engine's
+    # a fixed draft length, the heads alone (the drafts context drafting makes depend on
+    # the requests before): the tests compare its counts with the engine's
     srv = ServerProcess(["-m", str(agree), "--spec-type", "draft-mtp", "-c", str(N_CTX), "-np", "2", "-t", "1",
-                         "--no-spec-adaptive", "--api-key", KEY], tmp_path_factory.mktemp("server"))
+                         "--no-spec-adaptive", "--no-spec-context", "--api-key", KEY], tmp_path_factory.mktemp("server"))
     try:
         srv.wait_ready()
         yield srv
@@ -155,7 +156,7 @@ def client(server: ServerProcess):
 @pytest.fixture(scope="module")
 def direct(agree: Path):
     """The engine called directly, with the server's settings, at temperature 0."""
-    with Engine(agree, mode="chain", n_ctx=N_CTX, n_threads=1, adaptive=False) as eng:
+    with Engine(agree, mode="chain", n_ctx=N_CTX, n_threads=1, adaptive=False, context=False) as eng:
         out = eng.generate(PROMPT, n_predict=N, temperature=0)
         chat = eng.apply_chat_template([{"role": "user", "content": "hello"}])
         yield {"completion": out, "prompt_tokens": eng.tokenize(PROMPT), "chat_prompt": chat,
@@ -483,7 +484,9 @@ def test_metrics(client):
     assert "# TYPE llamacpp:prompt_tokens_total counter" in text
     d = [values[f'stepmtp:draft_tokens_by_depth_total{{depth="{i}"}}'] for i in (1, 2, 3)]
     a = [values[f'stepmtp:draft_tokens_accepted_by_depth_total{{depth="{i}"}}'] for i in (1, 2, 3)]
-    assert sum(d) == values["stepmtp:draft_tokens_total"] and sum(a) == values["stepmtp:draft_tokens_accepted_total"]
+    # the depths count the heads' drafts; the totals the context's too
+    assert sum(d) + values["stepmtp:draft_tokens_context_total"] == values["stepmtp:draft_tokens_total"]
+    assert sum(a) + values["stepmtp:draft_tokens_accepted_context_total"] == values["stepmtp:draft_tokens_accepted_total"]
 
 
 # -- bad requests ---------------------------------------------------------------------------

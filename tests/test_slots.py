@@ -350,8 +350,9 @@ def test_prompt_chunks_share_a_decode_and_keep_their_text():
     """Four prompts queued together: their long chunks (64+ rows each: llama.cpp's gemm
     and attention tiles alone or together) go in one decode, then their 4-token tails
     (llama-server's split for checkpoints: one-row kernels alone or together, as a
-    verify's rows) in another, as llama-server batches them; a chunk of 17-63 rows goes
-    alone (together with others it would take the gemm). Every row keeps the bits it
+    verify's rows) in another, as llama-server batches them; chunks of fewer than 64 rows
+    share a decode while they stay under 64 rows together (one-row kernels up to 64 rows,
+    flash attention's tiles from 64). Every row keeps the bits it
     gets decoded alone, so with MTP drafting at temperature 0 each text equals its text
     alone."""
     from stepmtp.models import default_model_path
@@ -372,10 +373,9 @@ def test_prompt_chunks_share_a_decode_and_keep_their_text():
             eng.step()
         got = [r.completion for r in reqs]
         n_prompt = [len(r.prompt_tokens) for r in reqs]
-    assert all(len(x) == 1 or min(x) >= 64 and sum(x) <= 512 or sum(x) <= 16 for x in sizes)
+    assert all(len(x) == 1 or min(x) >= 64 and sum(x) <= 512 or sum(x) <= 63 for x in sizes)
     assert any(len(x) >= 3 and min(x) >= 64 for x in sizes)  # the long chunks shared
-    assert any(len(x) >= 2 and sum(x) <= 16 for x in sizes)  # the short ones too
-    assert [x for x in sizes if 16 < x[0] < 64]  # and one of 17-63 rows went alone
+    assert any(len(x) >= 2 and sum(x) <= 63 for x in sizes)  # the short ones too
     assert sum(map(sum, sizes)) == sum(n_prompt)
     assert all(sum(g.stats.drafted_per_depth) for g in got)  # MTP drafted in every one
     for g, a in zip(got, _alone(default_model_path(), prompts, n_predict=40)):

@@ -17,14 +17,12 @@ each round, ``accepted`` after the verify, ``finish`` when the sequence ends.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from .context import ContextDrafter, ContextPool, ContextProposal
 
-if TYPE_CHECKING:
-    from ..mtp import SpecConfig
 
 __all__ = ["PointMass", "Proposer", "make_proposers"]
 
@@ -66,8 +64,8 @@ class PointMass:
         return 1.0 if i == self.token else 0.0
 
 
-def make_proposers(spec: "SpecConfig", heads: bool) -> list[Proposer]:
-    """The context proposers of these settings: llama-server's n-gram types as listed,
+def make_proposers(spec, heads: bool) -> list[Proposer]:  # noqa: ANN001 - a sequence.SpecConfig
+    """The context proposers of settings ``spec`` (a ``sequence.SpecConfig``): llama-server's n-gram types as listed,
     and ours wherever the heads draft (unless ``spec.context`` is off)."""
     from .ngram import make_ngram
 

@@ -3,14 +3,13 @@ the pools of earlier sequences (see ``drafters.context`` and ``drafters.ngram`` 
 proposers themselves)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from ..adaptive import regime
 from . import make_proposers
+from ..sequence import SeqState
 from .context import ContextPool, ContextRecord, expected_tokens
 
-if TYPE_CHECKING:
-    from ..mtp import MTPDriver, SeqState
+# (the driver is mtp's, which imports this module: named in annotations, not imported)
 
 __all__ = ["ContextDrafting"]
 

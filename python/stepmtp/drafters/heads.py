@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..llama import Context, KVFullError
 from ..sampling import draft_pick
+from ..sequence import SeqState, SpecConfig
 
-if TYPE_CHECKING:
-    from ..mtp import MTPDriver, SeqState, SpecConfig
+# (the driver is mtp's, which imports this module: named in annotations, not imported)
 
-__all__ = ["Heads", "Anchors"]
+__all__ = ["Heads"]
 
 log = logging.getLogger("stepmtp.mtp")
 
@@ -51,47 +50,6 @@ def _masked(s: "SeqState", row: np.ndarray, i: int | None = None) -> np.ndarray:
 
 
 
-class Anchors:
-    """The anchored rows (token_p, h_tgt(p-1)) for positions [start, end) that some
-    head still has to see (fused schedule). A preallocated buffer, compacted as
-    the slowest head catches up."""
-
-    def __init__(self, n_embd: int, capacity: int) -> None:
-        self.tok = np.zeros(capacity, dtype=np.int32)
-        self.h = np.zeros((capacity, n_embd), dtype=np.float32)
-        self.start = 0  # position of row 0
-        self.n = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.n
-
-    def reset(self, start: int = 0) -> None:
-        self.start, self.n = start, 0
-
-    def append(self, tokens: list[int] | np.ndarray, h_rows: np.ndarray) -> None:
-        k = len(tokens)
-        if k == 1 and self.n < len(self.tok):  # every round's id_last (half the time of slices)
-            self.tok[self.n] = tokens[0]
-            self.h[self.n] = h_rows[0]
-            self.n += 1
-            return
-        if self.n + k > len(self.tok):
-            cap = max(2 * len(self.tok), self.n + k)
-            tok, h = np.zeros(cap, dtype=np.int32), np.zeros((cap, self.h.shape[1]), dtype=np.float32)
-            tok[: self.n], h[: self.n] = self.tok[: self.n], self.h[: self.n]
-            self.tok, self.h = tok, h
-        self.tok[self.n : self.n + k] = tokens
-        self.h[self.n : self.n + k] = h_rows
-        self.n += k
-
-    def drop_before(self, pos: int) -> None:
-        k = min(max(0, pos - self.start), self.n)
-        if k:
-            self.tok[: self.n - k] = self.tok[k : self.n]
-            self.h[: self.n - k] = self.h[k : self.n]
-            self.n -= k
-            self.start += k
 
 class Heads:
     """The MTP heads of a driver (see the module). ``drv`` lends the decodes (its

@@ -398,7 +398,7 @@ def measure_acceptance(
         dpd, apd = [0, 0, 0], [0, 0, 0]
         texts = []
         t0 = time.perf_counter()
-        with Engine(path, mode=mode, n_max=n_max, n_ctx=n_ctx, n_threads=n_threads, adaptive=False) as eng:
+        with Engine(path, mode=mode, n_max=n_max, n_ctx=n_ctx, n_threads=n_threads, adaptive=False, context=False) as eng:
             for p in prompts:
                 out = eng.generate(p, n_predict=n_predict, temperature=0)
                 st = out.stats

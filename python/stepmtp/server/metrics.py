@@ -24,6 +24,8 @@ class _Totals:
     n_tokens_max: int = 0
     n_drafted: int = 0
     n_accepted: int = 0
+    n_drafted_context: int = 0
+    n_accepted_context: int = 0
     drafted_per_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     accepted_per_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     n_rounds: int = 0
@@ -59,6 +61,8 @@ class Metrics:
             t.n_tokens_max = max(t.n_tokens_max, len(completion.prompt_tokens) + len(completion.tokens))
             t.n_drafted += st.n_drafted
             t.n_accepted += st.n_accepted
+            t.n_drafted_context += st.n_drafted_context
+            t.n_accepted_context += st.n_accepted_context
             for d in range(min(MAX_DEPTH, len(st.drafted_per_depth))):
                 t.drafted_per_depth[d] += st.drafted_per_depth[d]
                 t.accepted_per_depth[d] += st.accepted_per_depth[d]
@@ -95,12 +99,17 @@ class Metrics:
         metric("llamacpp:n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call",
                1.0 if t.n_decode else 0.0)
         # the MTP heads
-        metric("stepmtp:draft_tokens_total", "counter", "Tokens drafted by the MTP heads.", t.n_drafted)
+        metric("stepmtp:draft_tokens_total", "counter", "Tokens drafted (by the MTP heads and from the context).",
+               t.n_drafted)
+        metric("stepmtp:draft_tokens_context_total", "counter", "Of those, tokens drafted from the context.",
+               t.n_drafted_context)
+        metric("stepmtp:draft_tokens_accepted_context_total", "counter",
+               "Drafted tokens from the context the target accepted.", t.n_accepted_context)
         metric("stepmtp:draft_tokens_accepted_total", "counter", "Drafted tokens the target accepted.", t.n_accepted)
         metric("stepmtp:draft_accept_rate", "gauge", "Accepted / drafted tokens since the start.",
                t.n_accepted / t.n_drafted if t.n_drafted else 0.0)
         metric("stepmtp:draft_tokens_by_depth_total", "counter",
-               "Rounds that drafted at least d tokens (depth d = the d-th draft token of a round).",
+               "Rounds whose heads drafted at least d tokens (depth d = the d-th draft token of a round).",
                0, [(f'depth="{d + 1}"', v) for d, v in enumerate(t.drafted_per_depth)])
         metric("stepmtp:draft_tokens_accepted_by_depth_total", "counter",
                "Rounds whose first d drafts were all accepted.",
