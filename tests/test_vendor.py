@@ -36,7 +36,7 @@ def _point_at(fetch, monkeypatch, tree: Path):
 
 def test_series_applies_cleanly_to_the_pinned_sdist(fetch, fresh_tree):
     series = fetch.patch_series()
-    assert [p.name[:4] for p in series] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012", "0013", "0014", "0015", "0016", "0017"]
+    assert [p.name[:4] for p in series] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012", "0013", "0014", "0015", "0016", "0017", "0018"]
     assert (fresh_tree / "src" / "models" / "step35.cpp").exists()
     for p in series:
         head = p.read_text().split("diff --git", 1)[0]

@@ -347,10 +347,13 @@ class MTPDriver:
         n_keep = min(shared, len(prompt) - 1)
         ck = None
         n_swa = self.target.model.n_swa
-        if n_keep >= 2 and self.target.swa_trimmed and \
+        if n_keep >= 2 and n_swa > 0 and \
                 max(0, n_keep - redo - n_swa + 1) < self.target.seq_pos_min(s.seq_id):
-            # the window before the first position to decode may be overwritten: go
-            # on from the checkpoint that reaches furthest, or from the start
+            # the window before the first position to decode is not all there: a trimmed
+            # cache overwrites it, and a prefix restored from host memory or a slot file
+            # holds only its last position's window (llama.cpp saves no cell that
+            # position's window masks), in a cache of any size. Go on from the
+            # checkpoint that reaches furthest, or from the start
             reach, ck = max(((x.reach(n_keep - redo), x) for x in c.checkpoints),
                             key=lambda t: t[0], default=(-1, None))
             n_keep = reach + redo if reach >= 1 else 0
