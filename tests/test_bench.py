@@ -867,3 +867,36 @@ def test_cpu_build_is_no_gpu_backend():
     assert info["gpus"] == [] and not M.gpu_backend()
     if info["rpc"]:
         assert info["gpu_offload"]  # why llama_supports_gpu_offload cannot decide it
+
+
+def test_agent_turns_are_copies_echoes_and_summaries():
+    from stepmtp.bench import agent_turns as A
+
+    turns = A.agent_prompts(2)
+    assert [t.kind for t in turns] == ["copy", "echo", "summary"] * 2
+    assert len({t.name for t in turns}) == 6  # each from its own module: new to every server
+    copy = turns[0]
+    first = copy.prompt.split("\n", 1)[1].splitlines()[0]
+    assert copy.prompt.count(first) >= 2  # the module's first line, read and written again
+    with pytest.raises(ValueError):
+        A.agent_prompts(10)
+
+
+def test_agent_run_pairs_turn_by_turn():
+    from stepmtp.bench import agent_turns as A
+    from stepmtp.bench.matrix import ENTRIES
+
+    run = A.AgentRun()
+    for name, (a, b) in {"copy:x": (100.0, 50.0), "copy:y": (100.0, 200.0)}.items():
+        run.add("mtp", "copy", name, A.Result(100, 1e5 / a, 10, 9, "t"))
+        run.add("off", "copy", name, A.Result(100, 1e5 / b, 0, 0, "t"))
+    # aggregate: 200 tokens in 1 + 1 s against 2 + 0.5 s; paired: ratios 2 and 0.5
+    assert run.tok_s("mtp", "copy") == pytest.approx(100.0) and run.tok_s("off", "copy") == pytest.approx(80.0)
+    g, se, n = run.paired("mtp", "off", "copy")
+    assert (g, n) == (pytest.approx(1.0), 2) and se > 0
+    assert run.accept("mtp", "copy") == pytest.approx(0.9)
+    md = A.agent_markdown(run, [ENTRIES["off"], ENTRIES["mtp"]])
+    assert "| `mtp` | 100.0 (1.25x; 0.90)" in md and "`mtp` x `off`" in md
+    run.add("mtp", "again", "copy:x", A.Result(10, 10.0, 0, 0, "other"))
+    run.add("off", "again", "copy:x", A.Result(10, 10.0, 0, 0, "t"))
+    assert A.check_agent_texts(run, [ENTRIES["off"], ENTRIES["mtp"]]) == ["agent again copy:x: mtp's text differs from off's"]
