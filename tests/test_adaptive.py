@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from stepmtp.adaptive import ConfidenceRecord, DraftPlanner, RoundCosts, regime
+from stepmtp.adaptive import SeqPolicy, ConfidenceRecord, DraftPlanner, RoundCosts, regime
 
 # a CPU's costs on the bench model (x a 1-row decode): verify rows cost, heads are cheap
 CPU = {1: 1.0, 2: 1.61, 3: 2.06, 4: 2.52}
@@ -501,3 +501,44 @@ def test_a_regime_not_in_use_keeps_its_record():
     after = p.record_for(hot).estimate(p.regime_rounds(hot))
     assert after == before and after[0] < 0.6
     assert p.regime_rounds(cold) == 3000
+
+
+def _copy_costs(planner: DraftPlanner) -> None:
+    """A cost table that knows long verifies: the bench model's (~0.26 one-row decodes
+    a row past 16 rows, patch 0016's tiles)."""
+    long = lambda r: cpu_verify(r) if r <= 4 else 2.52 + 0.3 * (r - 4)  # noqa: E731
+    for _ in range(12):
+        for rows in (1, 2, 3, 4, 9, 13, 17, 25, 33, 41, 49, 57, 63):
+            planner.observe_round(rows, long(rows), [0.05, 0.05, 0.05])
+
+
+def test_the_plan_takes_a_copy_that_pays_and_leaves_one_that_does_not():
+    """A sequence whose context proposes a copy: accepted 0.99 a token, the plan drafts it
+    long from the context (no head step); accepted 0.3, the heads' drafts win; a context
+    sure of its first token alone is extended by the heads."""
+    planner = DraftPlanner(3)
+    planner.max_rows = 63
+    _copy_costs(planner)
+    p = planner.policy(regime(True, 0.0))
+    for _ in range(30):
+        p.observe(3, 3)  # the heads do well too
+    p.context = [0.99] * 62
+    n = planner.plan([p], [3])[0]
+    assert p.use == "context" and n >= 16 and p.n_forced == n
+    p.context = [0.3] * 62
+    n = planner.plan([p], [3])[0]
+    assert p.use == "heads" and 1 <= n <= 3
+    # heads unsure of their first draft, sure of the next ones given it: the context's
+    # first token, then the heads
+    class Unsure(SeqPolicy):
+        accept = property(lambda self: [0.2, 0.97, 0.97])
+
+    u = Unsure(planner, regime(True, 0.0))
+    u.context = [0.999, 0.05, 0.05]
+    n = planner.plan([u], [3])[0]
+    assert u.use == "extend" and u.n_forced == 1 and n >= 2
+    # several sequences: the copies share the round's rows, within max_rows
+    q = planner.policy(regime(True, 0.0))
+    p.context, q.context = [0.99] * 62, [0.99] * 62
+    lens = planner.plan([p, q], [3, 3])
+    assert sum(lens) + 2 <= 63 and p.use == q.use == "context"

@@ -741,11 +741,14 @@ class DraftPlanner:
         else:
             n = 0
         out = [min(n, c) if c >= p.n_min else 0 for p, c in zip(seqs, caps)]
+        room = self.max_rows - len(seqs) - sum(out)
         for j, p in enumerate(seqs):
             # a copy is worth its rows whatever they cost yet: a token and a half a round or more
-            if p.context and _expected(p.context, len(p.context)) >= 1.5:
-                p.use, p.n_forced = "context", len(p.context)
-                out[j] = p.n_forced
+            m = min(len(p.context or ()), room + out[j])
+            if m > 0 and _expected(p.context, m) >= 1.5:
+                room -= m - out[j]
+                p.use, p.n_forced = "context", m
+                out[j] = m
         return out
 
     #: the lengths a context draft is planned at (and any shorter whole proposal): few
@@ -766,7 +769,9 @@ class DraftPlanner:
         steps = [0.0]
         for d in range(self.n_draft):
             steps.append(steps[-1] + costs.step(d))
-        plain = 1.0 / costs.verify(N)
+        plain = N / costs.verify(N)
+        others = N - 1.0  # the tokens the other sequences' rows bring, drafting nothing
+        edge = self.NO_DRAFT_EDGE_SAMPLED if all(p.samples for p in seqs) else self.NO_DRAFT_EDGE
         for j, p in enumerate(seqs):
             ctx = p.context
             if not ctx:
@@ -774,21 +779,21 @@ class DraftPlanner:
             room = max(0, min(len(ctx), max_rows - N - rows))
             # the heads: their best depth (caught up first if they sat out)
             resume = self.costs.catch_up(p.behind) / SeqPolicy.HOLD_ROUNDS if p.behind and not p.last else 0.0
-            best, kind, m_best = plain * self.NO_DRAFT_EDGE, "none", 0
+            best, kind, m_best = plain * edge, "none", 0
             for n in range(1, min(caps[j], self.n_draft) + 1):
-                r = _expected(accepts[j], n) / (costs.verify(N + n) + steps[n] + resume)
+                r = (others + _expected(accepts[j], n)) / (costs.verify(N + n) + steps[n] + resume)
                 if r > best:
                     best, kind, m_best = r, "heads", n
             for m in self.CONTEXT_LENGTHS + (room,):
                 if 1 <= m <= room:
-                    r = _expected(ctx, m) / costs.verify(N + m)
+                    r = (others + _expected(ctx, m)) / costs.verify(N + m)
                     if r > best:
                         best, kind, m_best = r, "context", m
             # the context's first m tokens, then the heads' drafts from depth m on
             for m in range(1, min(room, caps[j], self.n_draft)):
                 chain = ctx[:m] + accepts[j][m:]
                 for n in range(m + 1, min(caps[j], self.n_draft) + 1):
-                    r = _expected(chain, n) / (costs.verify(N + n) + steps[n] + resume)
+                    r = (others + _expected(chain, n)) / (costs.verify(N + n) + steps[n] + resume)
                     if r > best:
                         best, kind, m_best = r, "extend", m
             if kind == "context":
