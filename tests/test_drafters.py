@@ -11,7 +11,8 @@ import pytest
 from stepmtp import Engine
 from stepmtp.drafters import PointMass
 from stepmtp.models import default_model_path
-from stepmtp.drafters.context import ContextDrafter, ContextPool, ContextRecord, expected_tokens
+from stepmtp.adaptive import expected_tokens
+from stepmtp.drafters.context import ContextDrafter, ContextPool, ContextRecord
 from stepmtp.drafters.ngram import NgramCache, NgramConfig, NgramMap, NgramMod, NgramSimple, make_ngram, read_lookup_cache
 from stepmtp.sampling import Sampler, SamplingParams, verify_rejection
 

@@ -55,7 +55,7 @@ import collections
 import math
 from typing import Sequence
 
-__all__ = ["RoundCosts", "SeqPolicy", "DraftPlanner", "regime", "ConfidenceRecord"]
+__all__ = ["RoundCosts", "SeqPolicy", "DraftPlanner", "regime", "ConfidenceRecord", "expected_tokens"]
 
 
 def regime(greedy: bool, temperature: float, rejection: bool = False) -> tuple[float, bool]:
@@ -450,7 +450,7 @@ class SeqPolicy:
                 break  # later drafts were never judged
 
 
-def _expected(accepts: Sequence[float], n: int) -> float:
+def expected_tokens(accepts: Sequence[float], n: int) -> float:
     """1 + a_1 + a_1 a_2 + ... over the first n drafts."""
     e, g = 1.0, 1.0
     for a in accepts[:n]:
@@ -745,7 +745,7 @@ class DraftPlanner:
         for j, p in enumerate(seqs):
             # a copy is worth its rows whatever they cost yet: a token and a half a round or more
             m = min(len(p.context or ()), room + out[j])
-            if m > 0 and _expected(p.context, m) >= 1.5:
+            if m > 0 and expected_tokens(p.context, m) >= 1.5:
                 room -= m - out[j]
                 p.use, p.n_forced = "context", m
                 out[j] = m
@@ -781,25 +781,25 @@ class DraftPlanner:
             resume = self.costs.catch_up(p.behind) / SeqPolicy.HOLD_ROUNDS if p.behind and not p.last else 0.0
             best, kind, m_best = plain * edge, "none", 0
             for n in range(1, min(caps[j], self.n_draft) + 1):
-                r = (others + _expected(accepts[j], n)) / (costs.verify(N + n) + steps[n] + resume)
+                r = (others + expected_tokens(accepts[j], n)) / (costs.verify(N + n) + steps[n] + resume)
                 if r > best:
                     best, kind, m_best = r, "heads", n
             for m in self.CONTEXT_LENGTHS + (room,):
                 if 1 <= m <= room:
-                    r = (others + _expected(ctx, m)) / costs.verify(N + m)
+                    r = (others + expected_tokens(ctx, m)) / costs.verify(N + m)
                     if r > best:
                         best, kind, m_best = r, "context", m
             # the context's first m tokens, then the heads' drafts from depth m on
             for m in range(1, min(room, caps[j], self.n_draft)):
                 chain = ctx[:m] + accepts[j][m:]
                 for n in range(m + 1, min(caps[j], self.n_draft) + 1):
-                    r = (others + _expected(chain, n)) / (costs.verify(N + n) + steps[n] + resume)
+                    r = (others + expected_tokens(chain, n)) / (costs.verify(N + n) + steps[n] + resume)
                     if r > best:
                         best, kind, m_best = r, "extend", m
             if kind == "context":
                 p.use, p.n_forced = "context", m_best
                 fixed[j] = m_best
-                tokens += _expected(ctx, m_best) - 1.0
+                tokens += expected_tokens(ctx, m_best) - 1.0
                 rows += m_best
             elif kind == "extend":
                 p.use, p.n_forced = "extend", m_best

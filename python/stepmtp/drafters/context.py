@@ -304,17 +304,4 @@ class ContextRecord:
             self.judged[a][b] += 1.0
 
 
-def expected_tokens(accepts: Sequence[float], m: int) -> float:
-    """1 + a_1 + a_1 a_2 + ... over the first m drafts."""
-    e, g = 1.0, 1.0
-    for a in accepts[:m]:
-        g *= a
-        e += g
-    return e
-
-
-def pool_bytes(max_tokens: int) -> float:
-    return max_tokens * ContextPool.BYTES_PER_TOKEN
-
-
-__all__ += ["ContextState", "expected_tokens", "pool_bytes"]
+__all__ += ["ContextState"]

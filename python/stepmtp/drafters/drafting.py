@@ -4,10 +4,10 @@ proposers themselves)."""
 from __future__ import annotations
 
 
-from ..adaptive import regime
+from ..adaptive import expected_tokens, regime
 from . import make_proposers
 from ..sequence import SeqState
-from .context import ContextPool, ContextRecord, expected_tokens
+from .context import ContextPool, ContextRecord
 
 # (the driver is mtp's, which imports this module: named in annotations, not imported)
 
