@@ -274,6 +274,30 @@ def test_a_full_shared_cache_drops_the_drafts_before_failing_a_request(agree):
     assert out.stats.n_accepted == 0
 
 
+def test_short_prompts_grouped_within_the_batch(tiny):
+    """Short chunks share a decode up to the one-row products' limit (63 rows) only while
+    the batch holds them: on a sliding-window model whose window bounds the batch below
+    -b (48 rows of 64 here; a prompt's last 4 tokens go apart), four prompts of 15-18 tokens made a 50-row group and the
+    step raised "exceeds the batch capacity"."""
+    path = tiny["embedded"]
+    prompts = [[(7 * i + 13 * k) % 500 + 1 for k in range(15 + i)] for i in range(4)]
+    with Engine(path, n_ctx=4 * 512, n_parallel=4, n_batch=64, n_ubatch=16, kv_unified=True, mode="none") as eng:
+        drv = eng.slots.driver
+        together, seen = drv.prefill_together, []
+
+        def spy(seqs):
+            seen.append(sum(drv.chunk_size(s) for s in seqs))
+            return together(seqs)
+        drv.prefill_together = spy
+        reqs = [eng.submit(p, n_predict=6, temperature=0) for p in prompts]
+        while eng.busy:
+            eng.step()
+        got = [r.completion.tokens for r in reqs]
+        cap = drv.tbatch.capacity
+    assert seen and max(seen) <= cap and max(seen) > 16  # shared, within the batch
+    assert got == [c.tokens for c in _alone(path, prompts, n_predict=6, mode="none")]
+
+
 @pytest.mark.parametrize("n_batch", [2048, 12])
 def test_prompts_that_arrive_together_start_together(n_batch):
     """As llama-server fills one batch with every waiting prompt: requests queued together

@@ -676,7 +676,9 @@ class MTPDriver:
         if not self.share_prompt_decodes:
             return [[s] for s in seqs]
         cap = min(self.target.n_ubatch, self.tbatch.capacity)
-        groups = self.chunk_groups([self.chunk_size(s) for s in seqs], self.row_invariant_rows, cap)
+        # one-row products hold per row whatever the ubatch; the batch still bounds them
+        small = min(self.row_invariant_rows, self.tbatch.capacity)
+        groups = self.chunk_groups([self.chunk_size(s) for s in seqs], small, cap)
         return [[seqs[i] for i in g] for g in groups]
 
     @classmethod
