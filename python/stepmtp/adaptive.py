@@ -636,7 +636,7 @@ class DraftPlanner:
         its engine record fades by. Not all rounds: while other regimes' requests ran
         (four clients at temperature 0 for minutes), the record of temperature 1 faded
         back to its optimistic prior, and one client at temperature 1 then drafted 1359
-        tokens of 1728 at 0.69x of plain decoding's speed (matrix run Z, bench model)."""
+        tokens of 1728 at 0.69x of plain decoding's speed (bench model)."""
         return self._regime_rounds.get(key, 0)
 
     #: rounds of a sampling regime without a draft, probes aside, that make it dormant
