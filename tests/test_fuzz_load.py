@@ -28,7 +28,10 @@ def agree(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(agree, tmp_path_factory):
-    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "2048", "-np", "4", "-t", "1"]
+    # the context pool is a cache bounded in tokens (256k by default, ~40 MB): a small
+    # bound fills within the first 100 requests, so growth after them is a leak, not the pool
+    args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "2048", "-np", "4", "-t", "1",
+            "--spec-context-pool", "1024"]
     with running(args, tmp_path_factory.mktemp("load")) as srv:
         yield srv
 
