@@ -85,6 +85,8 @@ ENTRIES: dict[str, Entry] = {
                     what="MTP n-max 3 as it was: every round 3 drafts, drawn from the heads' own distribution"),
     "mtp-noctx": Entry("mtp-noctx", ("--spec-type", "draft-mtp", "--no-spec-context"),
                        what="MTP at default flags without context drafting (the heads alone)"),
+    "ngram": Entry("ngram", ("--spec-type", "ngram-mod,draft-mtp", "--spec-draft-n-max", "3"),
+                   what="llama-server's line for its n-gram drafter before MTP n-max 3, on this server"),
     "cpp-off": Entry("cpp-off", (), cpp=True, what="C++ llama-server, no MTP"),
     "cpp-ngram": Entry("cpp-ngram", ("--spec-type", "ngram-mod,draft-mtp", "--spec-draft-n-max", "3"), cpp=True,
                        what="C++ llama-server (MTP3 merged), its n-gram drafter before MTP n-max 3"),
