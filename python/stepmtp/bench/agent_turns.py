@@ -29,6 +29,7 @@ import json
 import math
 import re
 import sys
+import sysconfig
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +58,15 @@ class Turn:
 
 
 def _module_text(name: str) -> str:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        raise RuntimeError(f"agent turns: the standard library's {name}.py is not here")
-    text = Path(spec.origin).read_text()
+    # the standard library's directory first: Python 3.11+ freezes some modules
+    # (genericpath among them), whose spec then names no file
+    path = Path(sysconfig.get_paths()["stdlib"]) / f"{name}.py"
+    if not path.is_file():
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise RuntimeError(f"agent turns: the standard library's {name}.py is not here")
+        path = Path(spec.origin)
+    text = path.read_text()
     cut = text.rfind("\n", 0, CHARS)
     return text[: cut + 1 if cut > 0 else CHARS]
 
