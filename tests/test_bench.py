@@ -20,7 +20,7 @@ from stepmtp.bench import matrix as X
 from stepmtp.bench import report as R
 from stepmtp.bench.__main__ import main as bench_main
 from stepmtp.bench.harness import run_bench
-from stepmtp.bench.prompts import CATEGORIES, load_prompts
+from stepmtp.bench.prompts import CATEGORIES, Prompt, load_prompts
 from stepmtp.bench.runners import BenchConfig, EngineRunner, Result, ServerProcess, URLRunner, parse_configs
 from stepmtp.tiny import write_agree_model
 
@@ -349,6 +349,43 @@ def test_matrix_entries_take_turns_group_by_group():
     run = X.Run.joined([X.Run(2.0, 40, 10, 8, ["a", "b"]), X.Run(1.0, 20, 5, 1, ["c"])])
     assert (run.wall_s, run.tokens, run.drafted, run.accepted, run.texts) == (3.0, 60, 15, 9, ["a", "b", "c"])
     assert run.tok_s == 20.0
+
+
+def test_matrix_cells_get_fresh_servers(monkeypatch):
+    """Every cell of every pass runs on servers started for it, and the warm-up sends
+    none of the bench's prompts: a server drafting from earlier requests (our context
+    pool) would otherwise copy what it wrote for the same prompts a cell before."""
+    started, sent = [], []
+
+    class Fake:
+        def __init__(self, argv, label):
+            self.argv, self.label, self.url, self.open = argv, label, f"fake://{label}", False
+
+        def start(self):
+            self.open = True
+            started.append(self)
+
+        def close(self):
+            self.open = False
+
+    def request(url, p, temperature, timeout):
+        server = next(s for s in reversed(started) if s.url == url)
+        assert server.open
+        sent.append((server, p.prompt))
+        return {"content": "x", "timings": {"predicted_n": 4}}
+
+    monkeypatch.setattr(X, "ServerProcess", lambda argv, label: Fake(argv, label))
+    monkeypatch.setattr(X, "_http", lambda url, timeout: (200, {}))
+    monkeypatch.setattr(X, "_request", request)
+    prompts = [Prompt("c", f"prompt {i}\n", 4) for i in range(3)]
+    cells, props = X.run_matrix(prompts, [X.ENTRIES["off"], X.ENTRIES["mtp"]], Path("m.gguf"),
+                                temps=(0.0, 1.0), clients=(1,), repeat=2, progress=False)
+    assert len(started) == 2 * 2 * 2 and not any(s.open for s in started)  # entries x cells x passes
+    assert set(props) == {"off", "mtp"}
+    for server in started:  # each server: the warm-up, then the cell's prompts once each
+        got = [p for s, p in sent if s is server]
+        assert got[0] == X.WARM_UP.prompt and sorted(got[1:]) == [p.prompt for p in prompts]
+    assert X.WARM_UP.prompt not in {p.prompt for p in prompts}
 
 
 def test_matrix_paired_ratio_is_group_by_group():

@@ -1,7 +1,8 @@
 """``--matrix``: MTP against no MTP where users run it, through the server at its default flags.
 
 Rows are sampling temperatures, columns the number of concurrent clients; in each
-cell every *entry* (a server started once with its own flags) runs the whole prompt
+cell every *entry* (a server with its own flags, started afresh for each cell of each pass,
+so that nothing an earlier cell wrote can be drafted from) runs the whole prompt
 set, and the cell's figure is the aggregate tokens per second (generated tokens / wall
 time, prompts included). The entries take turns group by group: ``clients`` prompts
 sent at once to one entry, the same prompts to the next, and so on, the entries' order
@@ -265,23 +266,22 @@ def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path,
                repeat: int = 1, llama_server: Path | None = None, threads: int | None = None,
                n_ctx: int = MATRIX_CTX, timeout: float = 1800.0,
                progress: bool = True) -> tuple[list[Cell], dict[str, Any]]:
-    """Every cell of temps x clients, each entry's server started once; the cells and
-    what each server reported of itself (``/props``)."""
-    servers = {e.name: ServerProcess(_argv(e, model, llama_server, threads, n_ctx), label=e.name) for e in entries}
+    """Every cell of temps x clients; the cells and what each server reported of itself
+    (``/props``). Every cell of every pass gets fresh servers: the prompts repeat from
+    cell to cell and pass to pass, and a server that drafts from earlier requests (ours
+    by default, the C++ server's ngram-mod) would copy the text it wrote for them, where
+    the matrix measures text seen for the first time."""
     cells = [Cell(t, c) for t in temps for c in clients]
     props: dict[str, Any] = {}
+    names = [e.name for e in entries]
+    servers: dict[str, ServerProcess] = {}
     try:
-        for e in entries:
-            s = servers[e.name]
-            s.start()
-            status, p = _http(s.url + "/props", timeout=30)
-            props[e.name] = {"argv": s.argv, "props": p if status == 200 else None}
-            # a first short request: buffers allocated, pages faulted in
-            _request(s.url, Prompt(prompts[0].category, prompts[0].prompt, 8), 0.0, timeout)
-        names = [e.name for e in entries]
         for k in range(repeat):
             first = names[k % len(names):] + names[: k % len(names)]  # who starts moves on each pass
             for cell in cells:
+                for s in servers.values():
+                    s.close()
+                servers = _start_servers(entries, model, llama_server, threads, n_ctx, timeout, props)
                 parts: dict[str, list[Run]] = {n: [] for n in names}
                 for name, group in turns(len(prompts), cell.clients, first):
                     parts[name].append(_drive(servers[name].url, [prompts[i] for i in group], cell.temperature,
@@ -297,6 +297,31 @@ def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path,
         for s in servers.values():
             s.close()
     return cells, props
+
+
+#: the warm-up request's prompt: none of the bench's, so that a server's pool holds
+#: nothing of them
+WARM_UP = Prompt("warm-up", "The quick brown fox jumps over the lazy dog.\n", 8)
+
+
+def _start_servers(entries: Sequence[Entry], model: Path, llama_server: Path | None, threads: int | None,
+                   n_ctx: int, timeout: float, props: dict[str, Any]) -> dict[str, ServerProcess]:
+    """Every entry's server, started and warmed up (buffers allocated, pages faulted
+    in); ``props`` gets each one's ``/props`` the first time."""
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for e in entries:
+            s = servers[e.name] = ServerProcess(_argv(e, model, llama_server, threads, n_ctx), label=e.name)
+            s.start()
+            if e.name not in props:
+                status, p = _http(s.url + "/props", timeout=30)
+                props[e.name] = {"argv": s.argv, "props": p if status == 200 else None}
+            _request(s.url, WARM_UP, 0.0, timeout)
+    except BaseException:
+        for s in servers.values():
+            s.close()
+        raise
+    return servers
 
 
 def check_texts(cells: Sequence[Cell], entries: Sequence[Entry]) -> list[str]:
