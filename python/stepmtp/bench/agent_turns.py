@@ -24,7 +24,6 @@ entry must write ``off``'s texts (exit 3 otherwise).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -35,8 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .matrix import MATRIX_CTX, Entry, _argv
-from .runners import ServerProcess, _http
+from .matrix import MATRIX_CTX, Entry, running_servers
 
 __all__ = ["KINDS", "Turn", "agent_prompts", "run_agent", "agent_markdown", "check_agent_texts"]
 
@@ -58,14 +56,11 @@ class Turn:
 
 
 def _module_text(name: str) -> str:
-    # the standard library's directory first: Python 3.11+ freezes some modules
-    # (genericpath among them), whose spec then names no file
+    # read from the standard library's directory: Python 3.11+ freezes some modules
+    # (genericpath among them), whose import spec then names no file
     path = Path(sysconfig.get_paths()["stdlib"]) / f"{name}.py"
     if not path.is_file():
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            raise RuntimeError(f"agent turns: the standard library's {name}.py is not here")
-        path = Path(spec.origin)
+        raise RuntimeError(f"agent turns: the standard library's {name}.py is not here")
     text = path.read_text()
     cut = text.rfind("\n", 0, CHARS)
     return text[: cut + 1 if cut > 0 else CHARS]
@@ -161,15 +156,9 @@ def run_agent(turns: Sequence[Turn], entries: Sequence[Entry], model: Path, *, n
               llama_server: Path | None = None, threads: int | None = None, n_ctx: int = MATRIX_CTX,
               timeout: float = 1800.0, progress: bool = True) -> AgentRun:
     """Every turn to every entry (see the module), each entry's server started once."""
-    servers = {e.name: ServerProcess(_argv(e, model, llama_server, threads, n_ctx), label=e.name) for e in entries}
     run = AgentRun()
     names = [e.name for e in entries]
-    try:
-        for e in entries:
-            s = servers[e.name]
-            s.start()
-            _http(s.url + "/props", timeout=30)
-            _complete(s.url, "import os\n", 8, timeout)  # buffers allocated, pages faulted in
+    with running_servers(entries, model, llama_server, threads, n_ctx, timeout) as servers:
         for i, t in enumerate(turns):
             order = names[i % len(names):] + names[: i % len(names)]
             sends = [(t.kind, 0)] + ([("again", 1)] if t.kind in ("copy", "echo") else [])
@@ -180,9 +169,6 @@ def run_agent(turns: Sequence[Turn], entries: Sequence[Entry], model: Path, *, n
                     if progress:
                         acc = f", accepted {r.accepted}/{r.drafted}" if r.drafted else ""
                         print(f"agent: {kind:7s} {t.name:12s} {name}: {r.tok_s:.1f} tok/s{acc}", file=sys.stderr)
-    finally:
-        for s in servers.values():
-            s.close()
     return run
 
 

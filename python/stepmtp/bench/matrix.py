@@ -40,6 +40,7 @@ load each text must equal the text the same entry wrote for one client: exit 3 w
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -48,12 +49,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from .prompts import Prompt
 from .runners import ServerProcess, _http
 
-__all__ = ["Entry", "Cell", "Run", "turns", "ENTRIES", "parse_entries", "run_matrix", "markdown", "write_heatmap", "check_texts"]
+__all__ = ["Entry", "Cell", "Run", "turns", "ENTRIES", "parse_entries", "run_matrix", "running_servers", "markdown", "write_heatmap", "check_texts"]
 
 DEFAULT_TEMPS = (0.0, 0.7, 1.0)
 DEFAULT_CLIENTS = (1, 2, 4, 8)
@@ -274,28 +275,21 @@ def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path,
     cells = [Cell(t, c) for t in temps for c in clients]
     props: dict[str, Any] = {}
     names = [e.name for e in entries]
-    servers: dict[str, ServerProcess] = {}
-    try:
-        for k in range(repeat):
-            first = names[k % len(names):] + names[: k % len(names)]  # who starts moves on each pass
-            for cell in cells:
-                for s in servers.values():
-                    s.close()
-                servers = _start_servers(entries, model, llama_server, threads, n_ctx, timeout, props)
+    for k in range(repeat):
+        first = names[k % len(names):] + names[: k % len(names)]  # who starts moves on each pass
+        for cell in cells:
+            with running_servers(entries, model, llama_server, threads, n_ctx, timeout, props) as servers:
                 parts: dict[str, list[Run]] = {n: [] for n in names}
                 for name, group in turns(len(prompts), cell.clients, first):
                     parts[name].append(_drive(servers[name].url, [prompts[i] for i in group], cell.temperature,
                                               cell.clients, timeout))
-                for name in names:
-                    cell.passes.setdefault(name, []).append(parts[name])
-                    run = Run.joined(parts[name])
-                    if progress:
-                        acc = f", accept {run.accepted / run.drafted:.2f}" if run.drafted else ""
-                        print(f"matrix: pass {k + 1}/{repeat} t={cell.temperature:g} clients={cell.clients} "
-                              f"{name}: {run.tok_s:.1f} tok/s{acc}", file=sys.stderr)
-    finally:
-        for s in servers.values():
-            s.close()
+            for name in names:
+                cell.passes.setdefault(name, []).append(parts[name])
+                run = Run.joined(parts[name])
+                if progress:
+                    acc = f", accept {run.accepted / run.drafted:.2f}" if run.drafted else ""
+                    print(f"matrix: pass {k + 1}/{repeat} t={cell.temperature:g} clients={cell.clients} "
+                          f"{name}: {run.tok_s:.1f} tok/s{acc}", file=sys.stderr)
     return cells, props
 
 
@@ -304,24 +298,26 @@ def run_matrix(prompts: Sequence[Prompt], entries: Sequence[Entry], model: Path,
 WARM_UP = Prompt("warm-up", "The quick brown fox jumps over the lazy dog.\n", 8)
 
 
-def _start_servers(entries: Sequence[Entry], model: Path, llama_server: Path | None, threads: int | None,
-                   n_ctx: int, timeout: float, props: dict[str, Any]) -> dict[str, ServerProcess]:
+@contextlib.contextmanager
+def running_servers(entries: Sequence[Entry], model: Path, llama_server: Path | None, threads: int | None,
+                    n_ctx: int, timeout: float, props: dict[str, Any] | None = None
+                    ) -> Iterator[dict[str, ServerProcess]]:
     """Every entry's server, started and warmed up (buffers allocated, pages faulted
-    in); ``props`` gets each one's ``/props`` the first time."""
+    in), by entry name; all closed when the block ends. ``props`` gets each one's
+    ``/props`` the first time."""
     servers: dict[str, ServerProcess] = {}
     try:
         for e in entries:
             s = servers[e.name] = ServerProcess(_argv(e, model, llama_server, threads, n_ctx), label=e.name)
             s.start()
-            if e.name not in props:
+            if props is not None and e.name not in props:
                 status, p = _http(s.url + "/props", timeout=30)
                 props[e.name] = {"argv": s.argv, "props": p if status == 200 else None}
             _request(s.url, WARM_UP, 0.0, timeout)
-    except BaseException:
+        yield servers
+    finally:
         for s in servers.values():
             s.close()
-        raise
-    return servers
 
 
 def check_texts(cells: Sequence[Cell], entries: Sequence[Entry]) -> list[str]:
