@@ -15,10 +15,10 @@ from stepmtp import Batch, Context, LlamaError, Model, ModelLoadError
 def test_version_and_system_info():
     assert stepmtp.__version__ and stepmtp.__version__ != "0.0.0+unknown"
     info = stepmtp.system_info()
-    assert info["llama_cpp_commit"] == "f449e0553"
+    assert info["llama_cpp_commit"] == "0c1e57098"
     # the build carries this tree's whole series (a stale build fails here)
     series = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "patches").glob("*.patch"))
-    assert info["patches"] == series and series[0] == "0001-mtp-layer-offset.patch" and len(series) >= 9
+    assert info["patches"] == series and series[0] == "0002-mtp-graph-output-rows.patch" and len(series) >= 9
     assert "CPU" in info["backend"]
 
 
@@ -49,7 +49,8 @@ def test_split_files_load(tiny):
 
 
 def test_broken_model_names_missing_tensor_and_process_survives(tiny):
-    with pytest.raises(ModelLoadError, match=r"missing tensor 'blk\.\d+\.[a-z_.]+'"):
+    # llama.cpp names the tensor that is not there (0.3.36: "tensor 'blk.6.attn_norm.weight' not found")
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.\d+\.[a-z_.]+'( not found|)"):
         Model(tiny["broken"])
     with Model(tiny["embedded"]) as m:  # the next load works
         assert m.has_mtp

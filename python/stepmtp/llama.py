@@ -22,7 +22,7 @@ from .placement import Placement, kv_type
 from .rpc import Servers, _local_devices, parse_servers
 
 __all__ = ["Model", "Context", "Batch", "LlamaError", "ModelLoadError", "KVFullError", "default_threads",
-           "shard_paths"]
+           "shard_paths", "QUANT_TYPES", "quantize"]
 
 
 class ModelLoadError(LlamaError):
@@ -94,6 +94,38 @@ def _check_gguf(path: Path) -> None:
             magic = f.read(4)
         if magic != b"GGUF":
             raise ModelLoadError(f"{what}: not a GGUF file (magic {magic!r})")
+
+
+#: the weight types ``quantize`` writes, by llama-quantize's names
+QUANT_TYPES = {"F16": "LLAMA_FTYPE_MOSTLY_F16", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
+               "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
+               "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+               "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: str, *,
+             n_threads: int = 0) -> Path:
+    """Write ``src`` with its weights quantized to ``qtype`` (a name of ``QUANT_TYPES``:
+    llama-quantize's), through llama.cpp's own ``llama_model_quantize``, with its
+    per-tensor choices (a Q4_K_M file keeps some tensors Q6_K; a row too short for a
+    K-quant's 256-wide blocks falls back as llama-quantize does). Returns ``dst``."""
+    ensure_backend()
+    src, dst = Path(src), Path(dst)
+    _check_gguf(src)
+    name = qtype.upper()
+    if name not in QUANT_TYPES:
+        raise ValueError(f"quantize: unknown type {qtype!r} (one of {', '.join(QUANT_TYPES)})")
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, QUANT_TYPES[name])
+    params.nthread = n_threads
+    params.allow_requantize = True  # an F16 or Q8_0 source, as llama-quantize --allow-requantize
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with ErrorCapture() as cap:
+        rc = lib.llama_model_quantize(str(src).encode(), str(dst).encode(), ffi.new("llama_model_quantize_params *", params))
+    if rc != 0:
+        dst.unlink(missing_ok=True)
+        raise ModelLoadError(cap.message(f"{src}: quantizing to {name} failed"))
+    return dst
 
 
 class _Progress:
@@ -195,9 +227,13 @@ class Model(_Closing):
 
         params = lib.llama_model_default_params()
         params.n_gpu_layers = _gpu_layers(n_gpu_layers)
-        params.use_mmap = use_mmap
-        params.use_mlock = use_mlock
+        # llama.cpp takes one load mode where it took two flags
+        params.load_mode = (lib.LLAMA_LOAD_MODE_MMAP_MLOCK if use_mlock else lib.LLAMA_LOAD_MODE_MMAP) if use_mmap \
+            else (lib.LLAMA_LOAD_MODE_MLOCK if use_mlock else lib.LLAMA_LOAD_MODE_NONE)
         params.vocab_only = vocab_only
+        # llama.cpp leaves a model's MTP blocks unloaded unless asked; the heads draft
+        # from the same model object as the trunk
+        params.load_mtp = True
         servers = parse_servers(rpc)
         if servers:
             self.rpc = Servers(servers, n_gpu_layers=params.n_gpu_layers)

@@ -80,6 +80,16 @@ typedef struct llama_batch {
     int8_t       *  logits;
 } llama_batch;
 
+enum llama_load_mode {
+    LLAMA_LOAD_MODE_AUTO       = -1,
+    LLAMA_LOAD_MODE_NONE       =  0,
+    LLAMA_LOAD_MODE_MMAP       =  1,
+    LLAMA_LOAD_MODE_MLOCK      =  2,
+    LLAMA_LOAD_MODE_MMAP_MLOCK =  3,
+    LLAMA_LOAD_MODE_DIRECT_IO  =  4,
+    ...
+};
+
 struct llama_model_params {
     ggml_backend_dev_t * devices;
     const struct llama_model_tensor_buft_override * tensor_buft_overrides;
@@ -89,10 +99,10 @@ struct llama_model_params {
     const float * tensor_split;
     llama_progress_callback progress_callback;
     void * progress_callback_user_data;
+    enum llama_load_mode load_mode;
     bool vocab_only;
-    bool use_mmap;
-    bool use_mlock;
     bool check_tensors;
+    bool load_mtp;
     ...;
 };
 
@@ -118,6 +128,31 @@ struct llama_context_params {
     int32_t mtp_kv_block;
     ...;
 };
+
+enum llama_ftype {
+    LLAMA_FTYPE_ALL_F32        = 0,
+    LLAMA_FTYPE_MOSTLY_F16     = 1,
+    LLAMA_FTYPE_MOSTLY_Q4_0    = 2,
+    LLAMA_FTYPE_MOSTLY_Q8_0    = 7,
+    LLAMA_FTYPE_MOSTLY_Q4_K_M  = 15,
+    LLAMA_FTYPE_MOSTLY_Q5_K_M  = 17,
+    LLAMA_FTYPE_MOSTLY_Q6_K    = 18,
+    LLAMA_FTYPE_MOSTLY_IQ4_XS  = 30,
+    LLAMA_FTYPE_MOSTLY_BF16    = 32,
+    ...
+};
+
+typedef struct llama_model_quantize_params {
+    int32_t nthread;
+    enum llama_ftype ftype;
+    bool allow_requantize;
+    bool quantize_output_tensor;
+    bool pure;
+    ...;
+} llama_model_quantize_params;
+
+struct llama_model_quantize_params llama_model_quantize_default_params(void);
+uint32_t llama_model_quantize(const char * fname_inp, const char * fname_out, const llama_model_quantize_params * params);
 
 struct llama_model_params   llama_model_default_params(void);
 struct llama_context_params llama_context_default_params(void);
