@@ -333,7 +333,7 @@ def test_read_timeout():
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from stepmtp.tiny import write_tiny_models
 
-    return write_tiny_models(tmp_path_factory.mktemp("tiny"))["full"]
+    return write_tiny_models(tmp_path_factory.mktemp("tiny"))["embedded"]
 
 
 def test_context_params_reach_llama_cpp(tiny):
@@ -347,7 +347,7 @@ def test_context_params_reach_llama_cpp(tiny):
             ctx = Context(m, n_ctx=64, llama_params=extra)
             b = Batch(8)
             for i, t in enumerate([1, 5, 9, 13, 2, 7]):
-                b.add(t, i, [0], i == 5)
+                b.add(t, i, 0, i == 5)
             ctx.decode(b)
             outs.append(np.array(ctx.logits(5), copy=True))
             ctx.close()
@@ -399,14 +399,18 @@ def test_request_defaults_apply(tiny):
 
 def test_server_http_flags(tiny, tmp_path):
     """--api-prefix, --path, --props, --ui-config, --cors-*, and the warm-up, on a running server."""
-    from test_server import running
+    from test_server import ServerProcess, running
 
     static = tmp_path / "www"
     static.mkdir()
     (static / "index.html").write_text("<p>mine</p>")
     args = ["-m", str(tiny), "-t", "1", "-c", "128", "--api-prefix", "/v2", "--path", str(static), "--props",
             "--ui-config", '{"theme": "dark"}', "--cors-origins", "https://a.example", "--cors-methods", "GET"]
-    with running(args, tmp_path) as srv:
+    srv = ServerProcess(args, tmp_path)
+    try:
+        srv.url_base, srv.url = srv.url, srv.url + "/v2"  # wait_ready polls the prefixed /health
+        srv.wait_ready()
+        srv.url = srv.url_base
         assert httpx.get(srv.url + "/health").status_code == 404  # outside the prefix
         r = httpx.get(srv.url + "/v2/props")
         assert r.status_code == 200 and r.json()["endpoint_props"] and r.json()["ui_settings"] == {"theme": "dark"}
@@ -416,6 +420,8 @@ def test_server_http_flags(tiny, tmp_path):
         pre = httpx.options(srv.url + "/v2/completion")
         assert pre.headers["access-control-allow-methods"] == "GET"
         assert "warmed up" in srv.log()
+    finally:
+        srv.stop()
     with running(["-m", str(tiny), "-t", "1", "-c", "128", "--no-warmup"], tmp_path) as srv:
         r = httpx.post(srv.url + "/props", json={})
         assert r.status_code == 501 and "--props" in r.text
