@@ -82,7 +82,7 @@ ACCEPTED: tuple[Compat, ...] = (
        "the heads decode on the target's threads (-tb), between its decodes, never beside them"),
     _c("--keep", "N", "no context shift here (llama-server's default): a generation stops at the context's end, "
                       "so no tokens are kept or discarded"),
-    _c("--no-context-shift", None, "the default, here and in llama-server", "LLAMA_ARG_CONTEXT_SHIFT"),
+    _c("--no-context-shift", None, "the default, here and in llama-server"),
     _c("-cms --checkpoint-min-step", "N",
        "checkpoints are taken at each prompt's end and before its latest user message (--ctx-checkpoints), "
        "not every N tokens", "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
@@ -130,7 +130,7 @@ REFUSED: tuple[Compat, ...] = (
     _c("-mm --mmproj", "FILE", _TEXT_ONLY, "LLAMA_ARG_MMPROJ"),
     _c("-mmu --mmproj-url", "URL", _TEXT_ONLY, "LLAMA_ARG_MMPROJ_URL"),
     _c("--context-shift", None, "context shift is not implemented: a generation stops at the end of the context "
-                                "(llama-server's default, --no-context-shift)"),
+                                "(llama-server's default, --no-context-shift)", "LLAMA_ARG_CONTEXT_SHIFT"),
     _c("--embedding --embeddings", None, _NO_EMBED, "LLAMA_ARG_EMBEDDINGS"),
     _c("--rerank --reranking", None, _NO_EMBED, "LLAMA_ARG_RERANKING"),
     _c("--lora", "FNAME", "LoRA adapters are not applied by this server"),
