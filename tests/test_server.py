@@ -781,7 +781,7 @@ def test_cors_as_llama_server(server):
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] == "web.mydomain.fr"
     assert r.headers["access-control-allow-credentials"] == "true"
-    assert r.headers["access-control-allow-methods"] == "GET, POST"
+    assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
     assert r.headers["access-control-allow-headers"] == "*"
     r = httpx.get(server.url + "/health", headers={"Origin": "localhost"}, timeout=30)
     assert r.headers["access-control-allow-origin"] == "localhost"

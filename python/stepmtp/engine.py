@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from .budget import ReasoningBudget
 from .llama import Context, LlamaError, Model, default_threads
@@ -69,6 +69,11 @@ class Engine:
         use_mmap, use_mlock: memory-map the model files (``--no-mmap``: read them into
             buffers), lock them in RAM (``--mlock``); for ``mtp_model`` too.
         numa: ggml's NUMA strategy for the process (``--numa distribute|isolate|numactl``).
+        model_params, context_params: llama_model_params / llama_context_params fields by
+            name (``llama_params.apply``): the server's --override-kv (``kv_overrides``: a
+            list of (key, "int"|"float"|"bool"|"str", value)), -lm, --no-repack,
+            --check-tensors; rope / YaRN, -nkvo, --no-op-offload. The context's apply to
+            the heads' contexts too.
         n_parallel: slots (llama-server's ``-np``): this many generations decode
             together, batched into the same decodes; calls from several threads
             (``generate``, ``stream``) share the rounds.
@@ -157,6 +162,8 @@ class Engine:
         batch_invariant: bool = False,
         progress: bool = False,
         debug: bool = False,
+        model_params: Mapping[str, Any] | None = None,
+        context_params: Mapping[str, Any] | None = None,
     ) -> None:
         self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule,
                                        verify=verify, adaptive=adaptive, draft_vocab=draft_vocab,
@@ -181,7 +188,8 @@ class Engine:
             log.warning("the draft placement options (-otd, -cmoed, -ncmoed, -devd) apply to a separate MTP "
                         "model (mtp_model): the heads in %s are placed with its own tensors", model)
         numa_init(numa)
-        load_kw: dict[str, Any] = dict(progress=progress, rpc=rpc, use_mmap=use_mmap, use_mlock=use_mlock)
+        load_kw: dict[str, Any] = dict(progress=progress, rpc=rpc, use_mmap=use_mmap, use_mlock=use_mlock,
+                                       llama_params=model_params)
         self._lock = threading.Lock()
         self._closed = False
         #: the request handling of create_chat_completion / create_completion (api.inprocess), made on first use
@@ -197,6 +205,7 @@ class Engine:
             ctx_kw: dict[str, Any] = dict(
                 n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                 n_threads_batch=n_threads_batch or threads, flash_attn=flash_attn, n_seq_max=n_parallel,
+                llama_params=context_params,
             )
             self.target = Context(self.model, kv_unified=bool(kv_unified), swa_full=swa_full, type_k=type_k,
                                   type_v=type_v, **ctx_kw)
@@ -342,6 +351,12 @@ class Engine:
                            template=template, variables={**(variables or {}), **kwargs})
 
     # -- generation ---------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """llama-server's warm-up: a one-token prompt decoded and one token sampled, so the
+        first request does not pay the first decode's costs (buffers, kernels, pages of
+        the weights); in a pool of its own, so no request drafts from it."""
+        self.generate([max(self.model.bos, 0)], n_predict=1, cache_prompt=False, pool=object())
 
     def generate(self, prompt: str | Sequence[int], *, n_predict: int = -1, stop: Sequence[str] = (),
                  sampling: SamplingParams | None = None, verify: Verify | None = None,

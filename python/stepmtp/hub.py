@@ -283,6 +283,20 @@ def cached_files(repo: str, cache_dir: str | Path | None = None) -> list[str]:
     return []
 
 
+def cached_models(cache_dir: str | Path | None = None) -> list[str]:
+    """The hub cache's model files, ``repo:file`` (llama-server's ``--cache-list``)."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir(cache_dir or constants.HF_HUB_CACHE)
+    except CacheNotFound:
+        return []
+    return sorted({f"{r.repo_id}:{f}" for r in info.repos if r.repo_type == "model"
+                   for f in cached_files(r.repo_id, cache_dir)
+                   if is_model_file(f) and (split_info(f) is None or _first_shard(f))})
+
+
 def download(repo: str, files: Sequence[str], *, token: str | None = None, cache_dir: str | Path | None = None,
              offline: bool | None = None) -> list[Path]:
     """Each file of ``repo`` in the hub's cache (fetched when missing), in parallel as

@@ -13,7 +13,7 @@ import re
 import sys
 import weakref
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -216,6 +216,7 @@ class Model(_Closing):
         vocab_only: bool = False,
         rpc: str | Sequence[str] | None = None,
         placement: Placement | None = None,
+        llama_params: Mapping[str, Any] | None = None,
     ) -> None:
         ensure_backend()
         self.path = Path(path)
@@ -234,6 +235,9 @@ class Model(_Closing):
         # llama.cpp leaves a model's MTP blocks unloaded unless asked; the heads draft
         # from the same model object as the trunk
         params.load_mtp = True
+        from .llama_params import apply  # the server's model parameters by name (--override-kv, ...)
+
+        self._kv_keep = apply(params, llama_params)
         servers = parse_servers(rpc)
         if servers:
             self.rpc = Servers(servers, n_gpu_layers=params.n_gpu_layers)
@@ -556,6 +560,7 @@ class Context(_Closing):
         flash_attn: bool | None = None,
         type_k: str = "f16",
         type_v: str = "f16",
+        llama_params: Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
         self._ptr = ffi.NULL
@@ -588,6 +593,9 @@ class Context(_Closing):
         }[flash_attn]
         params.type_k = kv_type(type_k, "type_k", mtp)
         params.type_v = kv_type(type_v, "type_v", mtp)
+        from .llama_params import apply  # the server's context parameters by name (rope, YaRN, ...)
+
+        apply(params, llama_params)
         with ErrorCapture() as cap:
             ptr = lib.llama_init_from_model(model.ptr, params)
         if model.rpc is not None and model.rpc.lost():

@@ -39,6 +39,23 @@ class RequestDefaults:
     #: --reasoning-budget: -1 no limit, 0 no thinking (the opened <think> is closed in the prompt)
     reasoning_budget: int = -1
     reasoning_budget_message: str = ""
+    #: -r: the stop strings of a request that gives none
+    stop: list[str] = field(default_factory=list)
+    #: --ignore-eos: a request's ignore_eos when it does not say
+    ignore_eos: bool = False
+    #: -l: (token, bias) of a request that gives no logit_bias (None: -inf)
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    #: --grammar / -j: (kind, spec) constraining a request that gives none ("gbnf" / "json_schema")
+    grammar: tuple[str, Any] | None = None
+    #: -sp: every special token's text in the output (not only a chat format's markers)
+    special: bool = False
+    #: --no-cache-prompt: a request's cache_prompt when it does not say
+    cache_prompt: bool = True
+    #: --skip-chat-parsing: chat output all in content (no reasoning or tool-call parsing)
+    skip_chat_parsing: bool = False
+    #: --no-prefill-assistant: a chat's last assistant message is a whole message, not the
+    #: start of the answer
+    prefill_assistant: bool = True
 
     @property
     def seed_u32(self) -> int:

@@ -67,8 +67,9 @@ def chat_prompt(model: Model, req: ChatCompletionRequest, cfg: RequestDefaults, 
     if len(msgs) >= 2 and msgs[-1].role == "assistant" and msgs[-2].role == "assistant":
         raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
     # a last assistant message is a prefill (llama-server): the answer continues it
+    # (--no-prefill-assistant: a whole message, the answer a new one)
     try:
-        prefill = msgs[-1].text("\n\n") if msgs and msgs[-1].role == "assistant" and not (
+        prefill = msgs[-1].text("\n\n") if cfg.prefill_assistant and msgs and msgs[-1].role == "assistant" and not (
             msgs[-1].model_extra or {}).get("tool_calls") else None
     except ValueError as e:
         raise bad_request(str(e)) from None
@@ -101,8 +102,10 @@ def chat_prompt(model: Model, req: ChatCompletionRequest, cfg: RequestDefaults, 
     # think block a /v1/chat/completions/control request can end
     control = threading.Event() if req.reasoning_control else None
     thinks = (budget > 0 or control is not None) and (thinking or step) and not constrained
-    fmt = ChatFormat(step=step, thinking=thinking, reasoning_format=rf, tools=tools,
-                     parse_tools=bool(tools), preserved=preserved, grammar=forced,
+    # --skip-chat-parsing: llama-server's pure content parser, the output all in content
+    fmt = ChatFormat(step=step, thinking=thinking, reasoning_format="none" if cfg.skip_chat_parsing else rf,
+                     tools=tools, parse_tools=bool(tools) and not cfg.skip_chat_parsing, preserved=preserved,
+                     grammar=forced,
                      reasoning_budget=ReasoningBudget(budget, cfg.reasoning_budget_message, control=control)
                      if thinks else None)
     return fmt, text

@@ -109,6 +109,9 @@ class API:
         self.eog_tokens = [t for t in range(m.n_vocab) if m.is_eog(t)]
         #: the chat format's marker tokens, kept as text in chat output
         self.preserved = preserved_tokens(m)
+        #: -sp: every special token's text kept (a token that is not special renders the same
+        #: either way, so "every token" is the set); else none outside a chat format's markers
+        self.special: frozenset[int] = frozenset(range(m.n_vocab)) if defaults.special else frozenset()
 
     # -- requests into generations -----------------------------------------------------
 
@@ -121,6 +124,12 @@ class API:
             raise bad_request(f"not supported by this server: {', '.join(bad)}")
         if len(prompts) > cfg.max_prompts:
             raise bad_request(f"{len(prompts)} prompts in one request; at most {cfg.max_prompts} (--max-prompts)")
+        # llama-server: -r's strings for a request with none; --ignore-eos, --no-cache-prompt,
+        # -l, --grammar / -j for a request that does not say
+        stop = list(req.stop) or list(cfg.stop)
+        given = req.model_fields_set
+        ignore_eos = req.ignore_eos if "ignore_eos" in given else cfg.ignore_eos
+        cache_prompt = req.cache_prompt if "cache_prompt" in given else cfg.cache_prompt
         if len(req.stop) > cfg.max_stop:
             raise bad_request(f"{len(req.stop)} stop strings; at most {cfg.max_stop} (--max-stop)")
         if any(len(x) > cfg.max_stop_len for x in req.stop):
@@ -140,7 +149,7 @@ class API:
         if n_probs > cfg.max_n_probs:
             raise bad_request(f"n_probs (top_logprobs) must be at most {cfg.max_n_probs}")
         try:
-            spec = grammar or req.requested_grammar()
+            spec = grammar or req.requested_grammar() or cfg.grammar
         except ValueError as e:
             raise bad_request(str(e)) from None
         constraint = None
@@ -154,7 +163,7 @@ class API:
         # llama-server: -n is the default for a request that gives no limit of its own
         n_predict = req.requested_n_predict()
         n_predict = cfg.n_predict if n_predict is None else n_predict
-        sampling, seed_shown = self.resolve_sampling(req)
+        sampling, seed_shown = self.resolve_sampling(req, ignore_eos)
         for toks in prompts:
             if not toks:
                 raise bad_request("the prompt is empty")
@@ -163,21 +172,21 @@ class API:
                 raise APIError(f"request ({len(toks)} tokens) exceeds the available context size "
                                f"({eng.n_ctx} tokens), try increasing it", "exceed_context_size_error",
                                n_prompt_tokens=len(toks), n_ctx=eng.n_ctx)
-        gens = [GenRequest(list(toks), n_predict, list(req.stop), sampling, stream, req.cache_prompt,
+        gens = [GenRequest(list(toks), n_predict, stop, sampling, stream, cache_prompt,
                            n_probs, req.post_sampling_probs, grammar=constraint,
-                           return_progress=stream and req.return_progress)
+                           return_progress=stream and req.return_progress, preserved=self.special)
                 for toks in prompts for _ in range(n_cmpl)]
         sp = self.spec
         settings = F.Settings(
-            sampling=sampling, seed=seed_shown, n_predict=n_predict, stop=list(req.stop), stream=stream,
-            ignore_eos=req.ignore_eos, logit_bias=[(t, None if b == float("-inf") else b)
+            sampling=sampling, seed=seed_shown, n_predict=n_predict, stop=stop, stream=stream,
+            ignore_eos=ignore_eos, logit_bias=[(t, None if b == float("-inf") else b)
                                                    for t, b in sampling.logit_bias.items()],
             spec_type=sp.spec_type, n_max=sp.n_max, n_min=sp.n_min, p_min=sp.p_min, mtp_mode=sp.mtp_mode,
             n_probs=n_probs, post_sampling_probs=req.post_sampling_probs,
         )
         return gens, settings
 
-    def resolve_sampling(self, req: GenerationFields) -> tuple[SamplingParams, int]:
+    def resolve_sampling(self, req: GenerationFields, ignore_eos: bool | None = None) -> tuple[SamplingParams, int]:
         cfg, eng = self.defaults, self.engine
         kw: dict[str, Any] = {}
         if req.temperature is not None:
@@ -202,13 +211,13 @@ class API:
             kw["seed"] = req.seed & 0xFFFFFFFF
             seed_shown = kw["seed"]
         bias: dict[int, float] = {}
-        for key, b in req.logit_bias:
+        for key, b in (req.logit_bias if "logit_bias" in req.model_fields_set else cfg.logit_bias):
             value = float("-inf") if b is None else b
             ids = [key] if isinstance(key, int) else eng.tokenize(key, add_special=False, parse_special=False)
             for t in ids:
                 if 0 <= t < eng.model.n_vocab:  # llama-server ignores the others
                     bias[t] = value
-        if req.ignore_eos:
+        if req.ignore_eos if ignore_eos is None else ignore_eos:
             for t in self.eog_tokens:
                 bias[t] = float("-inf")
         if bias:
@@ -267,7 +276,7 @@ class API:
         settings.chat_format, settings.reasoning_format = fmt.name, fmt.reasoning_format
         info = self.result_info(settings)
         for g in gens:
-            g.preserved = fmt.preserved
+            g.preserved = fmt.preserved | self.special
             g.n_before_user = n_before_user
             g.reasoning_budget = fmt.reasoning_budget
             g.cmpl_id = info.id

@@ -90,6 +90,32 @@ enum llama_load_mode {
     ...
 };
 
+enum llama_rope_scaling_type {
+    LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED = -1,
+    LLAMA_ROPE_SCALING_TYPE_NONE        = 0,
+    LLAMA_ROPE_SCALING_TYPE_LINEAR      = 1,
+    LLAMA_ROPE_SCALING_TYPE_YARN        = 2,
+    ...
+};
+
+enum llama_model_kv_override_type {
+    LLAMA_KV_OVERRIDE_TYPE_INT,
+    LLAMA_KV_OVERRIDE_TYPE_FLOAT,
+    LLAMA_KV_OVERRIDE_TYPE_BOOL,
+    LLAMA_KV_OVERRIDE_TYPE_STR,
+};
+
+struct llama_model_kv_override {
+    enum llama_model_kv_override_type tag;
+    char key[128];
+    union {
+        int64_t val_i64;
+        double  val_f64;
+        bool    val_bool;
+        char    val_str[128];
+    };
+};
+
 struct llama_model_params {
     ggml_backend_dev_t * devices;
     const struct llama_model_tensor_buft_override * tensor_buft_overrides;
@@ -103,6 +129,10 @@ struct llama_model_params {
     bool vocab_only;
     bool check_tensors;
     bool load_mtp;
+    /* the server's --override-kv, --repack, --no-host */
+    const struct llama_model_kv_override * kv_overrides;
+    bool use_extra_bufts;
+    bool no_host;
     ...;
 };
 
@@ -126,6 +156,16 @@ struct llama_context_params {
     bool swa_full;
     bool kv_unified;
     int32_t mtp_kv_block;
+    /* the server's rope / YaRN flags and --no-op-offload */
+    enum llama_rope_scaling_type rope_scaling_type;
+    float    rope_freq_base;
+    float    rope_freq_scale;
+    float    yarn_ext_factor;
+    float    yarn_attn_factor;
+    float    yarn_beta_fast;
+    float    yarn_beta_slow;
+    uint32_t yarn_orig_ctx;
+    bool     op_offload;
     ...;
 };
 
@@ -254,3 +294,12 @@ int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token
                              int32_t length, int32_t lstrip, bool special);
 int32_t llama_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens,
                          char * text, int32_t text_len_max, bool remove_special, bool unparse_special);
+
+/* the server's --lora / --control-vector */
+struct llama_adapter_lora;
+struct llama_adapter_lora * llama_adapter_lora_init(struct llama_model * model, const char * path_lora);
+void llama_adapter_lora_free(struct llama_adapter_lora * adapter);
+int32_t llama_set_adapters_lora(struct llama_context * ctx, struct llama_adapter_lora ** adapters,
+                                size_t n_adapters, float * scales);
+int32_t llama_set_adapter_cvec(struct llama_context * ctx, const float * data, size_t len, int32_t n_embd,
+                               int32_t il_start, int32_t il_end);

@@ -28,7 +28,7 @@ from .. import __version__
 from ..engine import Engine
 from .config import ServerConfig
 from ..api.errors import APIError, error_body
-from .middleware import GateMiddleware, HeadersMiddleware
+from .middleware import GateMiddleware, HeadersMiddleware, PrefixMiddleware, TimeoutMiddleware
 from .routes import admin, anthropic, native, openai, responses
 from ..api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OAICompletionRequest,
                       TokenizeRequest, format_validation_error)
@@ -47,6 +47,10 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if cfg.threads_http > 0:  # --threads-http: the threads that run the requests' blocking work
+            import anyio.to_thread
+
+            anyio.to_thread.current_default_thread_limiter().total_tokens = cfg.threads_http
         threading.Thread(target=st.load, name="stepmtp-load", daemon=True).start()
         try:
             yield
@@ -63,7 +67,10 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
     app.state.stepmtp = st
     app.state.service = GenerationService(st)
     app.add_middleware(GateMiddleware, state=st)
-    app.add_middleware(HeadersMiddleware)
+    app.add_middleware(HeadersMiddleware, cors=cfg.cors)
+    # added last: the outermost, so the prefix is gone and the timeouts hold before the rest
+    app.add_middleware(PrefixMiddleware, prefix=cfg.api_prefix, static=cfg.static_path)
+    app.add_middleware(TimeoutMiddleware, timeout=cfg.timeout)
     _error_handlers(app)
     # in this order the API docs list the families (by their tags) as they always did
     for family in (admin, openai, native, anthropic, responses):

@@ -187,6 +187,11 @@ class _Overrides(argparse.Action):
             return parse_overrides(value, self.draft)
         if self.kind == "cmoe":
             return moe_overrides(cpu_moe=True, draft=self.draft)
+        if self.kind == "ncffn":  # llama-server's LLM_FFN_DENSE_REGEX, the first N layers'
+            n = _int(value)
+            if n < 0:
+                raise argparse.ArgumentTypeError("invalid value")
+            return [(rf"blk\.{i}\.ffn_(up|down|gate)\.", "CPU") for i in range(n)]
         return moe_overrides(n_cpu_moe=_int(value), draft=self.draft)
 
     def from_env(self, raw: str, current: Any) -> list[tuple[str, str]]:
@@ -233,17 +238,18 @@ LIMIT_FLAGS = (
     ("--max-queue", "N", "max_queue", 256, "requests waiting for a slot at most, -1 for no bound; past it: 503"),
 )
 
-#: flag (its first spelling) -> environment variable (llama-server's names)
+#: environment variable (llama-server's names) -> the flag it sets (its first spelling)
 ENV: dict[str, str] = {}
 
 
-def add(group: argparse._ArgumentGroup, *names: str, env: str | None = None, **kw: Any) -> None:
-    """A flag, and the llama-server environment variable it can come from."""
-    if env:
-        kw["help"] = (kw.get("help") or "") + f" (env: {env})"
+def add(group: argparse._ArgumentGroup, *names: str, env: str | tuple[str, ...] | None = None, **kw: Any) -> None:
+    """A flag, and the llama-server environment variable(s) it can come from."""
+    envs = (env,) if isinstance(env, str) else tuple(env or ())
+    if envs:
+        kw["help"] = (kw.get("help") or "") + f" (env: {', '.join(envs)})"
     action = group.add_argument(*names, **kw)
-    if env:
-        ENV[action.option_strings[0]] = env
+    for e in envs:
+        ENV[e] = action.option_strings[0]
 
 
 def _context_flags(ap: argparse.ArgumentParser) -> None:
@@ -279,12 +285,16 @@ def _context_flags(ap: argparse.ArgumentParser) -> None:
         help="ngram-cache: a static lookup cache (llama-lookup-create's), read at start")
     add(g, "-lcd", "--lookup-cache-dynamic", metavar="FNAME", dest="lookup_cache_dynamic",
         help="ngram-cache: a dynamic lookup cache (llama-lookup's), read at start")
-    for names, use in ((("--draft", "--draft-n", "--draft-max"), "use --spec-draft-n-max or --spec-ngram-mod-n-max"),
-                       (("--draft-min", "--draft-n-min"), "use --spec-draft-n-min or --spec-ngram-mod-n-min"),
-                       (("--spec-ngram-size-n",), "use the respective --spec-ngram-*-size-n"),
-                       (("--spec-ngram-size-m",), "use the respective --spec-ngram-*-size-m"),
-                       (("--spec-ngram-min-hits",), "use the respective --spec-ngram-*-min-hits")):
-        g.add_argument(*names, action=_Removed, use=use, help=argparse.SUPPRESS)
+    for names, use, env in (
+            (("--draft", "--draft-n", "--draft-max"), "use --spec-draft-n-max or --spec-ngram-mod-n-max",
+             "LLAMA_ARG_DRAFT_MAX"),
+            (("--draft-min", "--draft-n-min"), "use --spec-draft-n-min or --spec-ngram-mod-n-min", "LLAMA_ARG_DRAFT_MIN"),
+            (("--spec-ngram-size-n",), "use the respective --spec-ngram-*-size-n", None),
+            (("--spec-ngram-size-m",), "use the respective --spec-ngram-*-size-m", None),
+            (("--spec-ngram-min-hits",), "use the respective --spec-ngram-*-min-hits", None)):
+        action = g.add_argument(*names, action=_Removed, use=use, help=argparse.SUPPRESS)
+        if env:
+            ENV[env] = action.option_strings[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
                "environment variable (shown as env), the command line winning.",
         allow_abbrev=False,
     )
+    g = ap.add_argument_group("general")
+    g.add_argument("--usage", action="help", help="as -h")
+    g.add_argument("--version", dest="version", action="store_true", help="show version and build info and exit")
+    g.add_argument("-cl", "--cache-list", dest="cache_list", action="store_true",
+                   help="show the GGUF models in the Hugging Face Hub's cache (-hf's downloads) and exit")
+    g.add_argument("--completion-bash", dest="completion_bash", action="store_true",
+                   help="print a source-able bash completion script for this command's flags and exit")
 
     g = ap.add_argument_group("model")
     add(g, "-m", "--model", metavar="FNAME", dest="model", env="LLAMA_ARG_MODEL",
@@ -390,18 +407,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = ap.add_argument_group("sampling (a request's own values win)")
     d = SamplingParams()
-    add(g, "--temp", "--temperature", metavar="N", dest="temp", type=_float, default=d.temperature,
+    add(g, "--temp", "--temperature", metavar="N", env="LLAMA_ARG_TEMPERATURE", dest="temp", type=_float, default=d.temperature,
         help=f"temperature (default: {d.temperature:.2f})")
-    add(g, "--top-k", metavar="N", dest="top_k", type=_int, default=d.top_k, help=f"top-k (default: {d.top_k})")
-    add(g, "--top-p", metavar="N", dest="top_p", type=_float, default=d.top_p, help=f"top-p (default: {d.top_p})")
-    add(g, "--min-p", metavar="N", dest="min_p", type=_float, default=d.min_p, help=f"min-p (default: {d.min_p})")
-    add(g, "--repeat-penalty", metavar="N", dest="repeat_penalty", type=_float, default=d.repeat_penalty,
+    add(g, "--top-k", metavar="N", env="LLAMA_ARG_TOP_K", dest="top_k", type=_int, default=d.top_k, help=f"top-k (default: {d.top_k})")
+    add(g, "--top-p", metavar="N", env="LLAMA_ARG_TOP_P", dest="top_p", type=_float, default=d.top_p, help=f"top-p (default: {d.top_p})")
+    add(g, "--min-p", metavar="N", env="LLAMA_ARG_MIN_P", dest="min_p", type=_float, default=d.min_p, help=f"min-p (default: {d.min_p})")
+    add(g, "--repeat-penalty", metavar="N", env="LLAMA_ARG_REPEAT_PENALTY", dest="repeat_penalty", type=_float, default=d.repeat_penalty,
         help=f"repetition penalty (default: {d.repeat_penalty:.1f}, 1.0 = disabled)")
     add(g, "--repeat-last-n", metavar="N", dest="repeat_last_n", type=_int, default=d.repeat_last_n,
         help=f"tokens the penalties look at (default: {d.repeat_last_n}, 0 = disabled, -1 = all)")
-    add(g, "--presence-penalty", metavar="N", dest="presence_penalty", type=_float, default=d.presence_penalty,
+    add(g, "--presence-penalty", metavar="N", env="LLAMA_ARG_PRESENCE_PENALTY", dest="presence_penalty", type=_float, default=d.presence_penalty,
         help="presence penalty (default: 0.0)")
-    add(g, "--frequency-penalty", metavar="N", dest="frequency_penalty", type=_float, default=d.frequency_penalty,
+    add(g, "--frequency-penalty", metavar="N", env="LLAMA_ARG_FREQUENCY_PENALTY", dest="frequency_penalty", type=_float, default=d.frequency_penalty,
         help="frequency penalty (default: 0.0)")
     add(g, "--top-nsigma", "--top-n-sigma", metavar="N", dest="top_n_sigma", type=_float, default=d.top_n_sigma,
         help=f"top-n-sigma (default: {d.top_n_sigma:.2f}, -1.0 = disabled)")
@@ -443,9 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--api-key", metavar="KEY", dest="api_key", type=_csv, action=_Append, default=[], env="LLAMA_API_KEY",
         help="API keys, comma-separated: requests then need 'Authorization: Bearer KEY' or 'X-Api-Key: KEY' "
              "(/health and /v1/models stay public) (default: none)")
-    add(g, "--api-key-file", metavar="FNAME", dest="api_key_file",
+    add(g, "--api-key-file", metavar="FNAME", dest="api_key_file", env="LLAMA_ARG_API_KEY_FILE",
         help="file of API keys, one a line, '#' comments (default: none)")
-    add(g, "-v", "--verbose", dest="verbose", action="store_true", help="llama.cpp's log too")
+    add(g, "-v", "--verbose", "--log-verbose", dest="verbose", action="store_true",
+        help="llama.cpp's log too, and every message (-lv's highest level)")
 
     g = ap.add_argument_group("request limits (ours: a request past one gets a 4xx, a full queue a 503)")
     for flag, meta, dest, default, what in LIMIT_FLAGS:
@@ -474,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="none: thoughts stay in message.content; deepseek / auto: they go to message.reasoning_content "
              "(default: auto)")
     add(g, "-rea", "--reasoning", metavar="on|off|auto", dest="reasoning", type=_on_off_auto, default=None,
+        env="LLAMA_ARG_REASONING",
         help="thinking in the chat: on / off set the template's enable_thinking, auto leaves the template's "
              "default (default: auto)")
     add(g, "--reasoning-budget", metavar="N", dest="reasoning_budget", type=_int, default=-1,
@@ -509,7 +528,7 @@ def _hub_flags(ap: argparse.ArgumentParser) -> None:
         help="the draft (MTP heads) model's file in --hf-repo-draft's repository (or --hf-repo's)")
     add(g, "-hft", "--hf-token", metavar="TOKEN", dest="hf_token", env="HF_TOKEN",
         help="Hugging Face access token, for private and gated repositories (default: HF_TOKEN)")
-    add(g, "--offline", dest="offline", action="store_true", env="LLAMA_OFFLINE",
+    add(g, "--offline", dest="offline", action="store_true", env=("LLAMA_ARG_OFFLINE", "LLAMA_OFFLINE"),
         help="no network: models from the hub's cache only (as HF_HUB_OFFLINE=1)")
     add(g, "-mu", "--model-url", metavar="MODEL_URL", dest="model_url", env="LLAMA_ARG_MODEL_URL",
         help="the model at a URL (every shard of a split one), saved as -m or in LLAMA_CACHE "
@@ -526,6 +545,8 @@ def _placement_flags(ap: argparse.ArgumentParser) -> None:
         env="LLAMA_ARG_CPU_MOE", help="keep all Mixture of Experts (MoE) weights in the CPU")
     add(g, "-ncmoe", "--n-cpu-moe", metavar="N", dest="tensor_overrides", action=_Overrides, kind="ncmoe",
         env="LLAMA_ARG_N_CPU_MOE", help="keep the Mixture of Experts (MoE) weights of the first N layers in the CPU")
+    add(g, "-ncffn", "--n-cpu-ffn", metavar="N", dest="tensor_overrides", action=_Overrides, kind="ncffn",
+        env="LLAMA_ARG_N_CPU_FFN", help="keep the dense FFN weights of the first N layers in the CPU")
     add(g, "-ctk", "--cache-type-k", metavar="TYPE", dest="cache_type_k", type=_kv_cache_type, default="f16",
         env="LLAMA_ARG_CACHE_TYPE_K", help="KV cache data type for K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, "
                                            "q5_0, q5_1 (default: f16)")
@@ -575,21 +596,17 @@ def _placement_flags(ap: argparse.ArgumentParser) -> None:
 
 def _compat_flags(ap: argparse.ArgumentParser) -> None:
     """llama-server's flags that change nothing here, accepted so its command lines run."""
-    g = ap.add_argument_group("accepted for compatibility (no effect here)")
-    add(g, "--metrics", dest="_metrics", action="store_true", help="/metrics is always on")
-    add(g, "-bs", "--backend-sampling", "--backend_sampling", dest="_backend_sampling", action="store_true",
-        env="LLAMA_ARG_BACKEND_SAMPLING", help="sampling runs here in Python, on every row a round verifies; the "
-                                                "output is what backend sampling gives")
-    add(g, "--media-path", metavar="PATH", dest="_media_path",
-        help="local media for multimodal requests: this server and Step-3.5-Flash take text only (media "
-             "parts are a 400)")
+    from .flags import add_compat_flags, add_llama_flags
+
+    add_llama_flags(ap, add)
+    g = ap.add_argument_group("model tags and endpoints")
     add(g, "--tags", metavar="STRING", dest="_tags", env="LLAMA_ARG_TAGS",
         help="model tags, informational (not used)")
     add(g, "--slots", dest="endpoint_slots", action="store_const", const=True, default=True,
         env="LLAMA_ARG_ENDPOINT_SLOTS", help="expose the slots monitoring endpoint (default: enabled)")
     add(g, "--no-slots", dest="endpoint_slots", action="store_const", const=False,
         help="disable the slots monitoring endpoint")
-    add(g, "-cb", "--cont-batching", dest="_cb", action="store_true", help="one sequence at a time anyway")
+    add_compat_flags(ap, add)
 
 
 def _normalize(argv: Sequence[str]) -> list[str]:
@@ -605,13 +622,22 @@ def _normalize(argv: Sequence[str]) -> list[str]:
 
 def _env_defaults(ap: argparse.ArgumentParser) -> None:
     from ..placement import PlacementError
+    from .flags import _Refuse
 
     actions = {a.option_strings[0]: a for a in ap._actions if a.option_strings}
-    for flag, env in ENV.items():
+    for env, flag in ENV.items():
         raw = os.environ.get(env)
+        a = actions[flag]
+        # llama-server: LLAMA_ARG_NO_X set (to anything) turns a switch with a --no- form off
+        neg = env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1)
+        if raw is None and neg != env and a.nargs == 0 and isinstance(a.const, bool) and neg in os.environ:
+            raw = "0" if a.const else "1"
         if raw is None:
             continue
-        a = actions[flag]
+        if isinstance(a, (_Refuse, _Removed)):
+            if a.nargs == 0 and _truthy(raw) is False:
+                continue
+            a(ap, argparse.Namespace(), raw, f"{flag} (environment variable {env})")
         try:
             val: Any
             if isinstance(a, _Overrides):
@@ -633,6 +659,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     ap = build_parser()
     _env_defaults(ap)
     args = ap.parse_args(_normalize(sys.argv[1:] if argv is None else argv))
+    if args.version or args.cache_list or args.completion_bash:
+        print(_info(ap, args))
+        ap.exit(0)
     if args.list_devices:
         from ..placement import list_devices
 
@@ -644,6 +673,38 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         return _to_config(args)
     except ArgError as e:
         ap.error(str(e))
+
+
+def _info(ap: argparse.ArgumentParser, a: argparse.Namespace) -> str:
+    """--version, --cache-list, --completion-bash: what they print."""
+    if a.version:
+        from .. import __version__
+
+        return f"version: stepmtp {__version__}\nbuilt with the llama.cpp of {_pinned_llama()}"
+    if a.cache_list:
+        from ..hub import cached_models
+
+        models = cached_models()
+        return "\n".join([f"number of models in cache: {len(models)}",
+                          *(f"{i + 1:4d}. {m}" for i, m in enumerate(models))])
+    flags = sorted(s for act in ap._actions for s in act.option_strings)
+    return ("_stepmtp_server() {\n"
+            '    local cur="${COMP_WORDS[COMP_CWORD]}"\n'
+            f'    COMPREPLY=( $(compgen -W "{" ".join(flags)}" -- "$cur") )\n'
+            "}\n"
+            "complete -o default -F _stepmtp_server stepmtp-server")
+
+
+def _pinned_llama() -> str:
+    """The llama.cpp the package was built with, as the build recorded it."""
+    import json
+    from importlib import resources
+
+    try:
+        info = json.loads(resources.files("stepmtp").joinpath("_build_info.json").read_text())
+    except (OSError, ValueError):
+        return "an unrecorded tree"
+    return str(info.get("llama_cpp") or info.get("sdist") or info)
 
 
 def _to_config(a: argparse.Namespace) -> ServerConfig:
@@ -724,6 +785,11 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
     def threads(v: int | None) -> int | None:
         return None if v is None or v <= 0 else v
 
+    from .flags import llama_config
+
+    extra = llama_config(a)
+    template_kwargs = extra.pop("template_kwargs")
+
     return ServerConfig(
         model=a.model,
         mtp_model=a.mtp_model,
@@ -747,7 +813,8 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         n_min=a.n_min,
         p_min=a.p_min,
         draft_vocab=a.draft_vocab,
-        n_ctx=a.ctx_size,
+        # --kv-unified-per-slot N without -c: llama-server sizes the shared cache N per slot
+        n_ctx=a.ctx_size or a.kv_unified_per_slot * _slots(a),
         n_batch=a.batch_size,
         n_ubatch=a.ubatch_size,
         n_parallel=a.parallel,
@@ -788,13 +855,20 @@ def _to_config(a: argparse.Namespace) -> ServerConfig:
         reasoning_budget_message=a.reasoning_budget_message,
         chat_template=chat_template or None,
         chat_template_kwargs={**({"enable_thinking": a.reasoning} if a.reasoning is not None else {}),
-                              **(a.chat_template_kwargs or {})},
+                              **template_kwargs, **(a.chat_template_kwargs or {})},
         tags=[t for t in (a._tags or "").split(",") if t],
         template_timeout=a.template_timeout,
         template_max_chars=a.template_max_chars,
         **{dest: getattr(a, dest) for _, _, dest, _, _ in LIMIT_FLAGS},
         **_hub_config(a),
+        **extra,
     )
+
+
+def _slots(a: argparse.Namespace) -> int:
+    """The slot count -np gives (ServerConfig.total_slots' rule)."""
+    return ServerConfig(n_parallel=a.parallel, n_batch=a.batch_size, n_max=a.n_max,
+                        spec_type="draft-mtp" if "draft-mtp" in (a.spec_type or []) else "none").total_slots
 
 
 def _hub_config(a: argparse.Namespace) -> dict[str, Any]:
@@ -826,12 +900,15 @@ def _placement(a: argparse.Namespace) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
-def setup_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S"))
+def setup_logging(verbose: bool, lc: Any = None) -> None:
+    """The log as the flags say (-v, --log-*, -lv: ``flags.LogConfig``)."""
+    from .flags import LogConfig
+    from .logs import handlers, level
+
+    lc = lc or LogConfig()
     root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    root.handlers[:] = handlers(lc)
+    root.setLevel(level(lc, verbose))
     # llama-server -v prints llama.cpp's debug lines too (where each tensor went, ...): load time only
     logging.getLogger("stepmtp.llama").setLevel(logging.DEBUG if verbose else logging.WARNING)
     logging.getLogger("gguf").setLevel(logging.WARNING)
@@ -843,7 +920,10 @@ def setup_logging(verbose: bool) -> None:
 
 def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[..., Any] | None = None) -> int:
     cfg = parse_args(argv)
-    setup_logging(cfg.verbose)
+    setup_logging(cfg.verbose, cfg.log)
+    from .host import place_process
+
+    place_process(cfg.cpus, cfg.prio)
     # generation runs in a worker thread that holds the GIL between llama.cpp calls:
     # a shorter switch interval lets the event loop answer (and stream) without
     # waiting out the default 5 ms
@@ -870,14 +950,19 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: Callable[..., Any
             await super().shutdown(sockets)
 
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
-                                   timeout_graceful_shutdown=5, access_log=True))
+                                   timeout_graceful_shutdown=5, access_log=True,
+                                   # -to: an idle kept-alive connection waits this long, as httplib's read timeout
+                                   timeout_keep_alive=cfg.timeout,
+                                   ssl_keyfile=cfg.ssl_key_file, ssl_certfile=cfg.ssl_cert_file))
 
     def fatal() -> None:
         server.should_exit = True
 
     state.on_fatal = fatal
+    from .host import listen_socket
+
     try:
-        server.run()
+        server.run(sockets=[listen_socket(cfg.host, cfg.port, reuse_port=cfg.reuse_port)] if cfg.reuse_port else None)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once shut down
         return 130
     if state.exit_code:

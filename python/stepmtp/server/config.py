@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..api.defaults import DEFAULT_SEED, RequestDefaults
 from ..drafters.ngram import NgramConfig
+from .flags import Cors, LogConfig
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -129,6 +130,40 @@ class ServerConfig(RequestDefaults):
     #: bounds of one template rendering (seconds, characters of output)
     template_timeout: float = 5.0
     template_max_chars: int = 4 << 20
+    #: -to: read/write timeout of a connection (s)
+    timeout: int = 3600
+    #: --threads-http: threads for the requests' blocking work (-1: anyio's default)
+    threads_http: int = -1
+    #: --api-prefix: the path every route is served under ("" none)
+    api_prefix: str = ""
+    #: --path: a folder served at / (None: the chat page)
+    static_path: str | None = None
+    #: --props: POST /props allowed
+    endpoint_props: bool = False
+    #: --warmup / --no-warmup: a one-token decode before the server is ready
+    warmup: bool = True
+    #: --reuse-port: SO_REUSEPORT on the listening socket
+    reuse_port: bool = False
+    #: --cors-*
+    cors: Cors = field(default_factory=Cors)
+    #: --ssl-key-file, --ssl-cert-file: HTTPS
+    ssl_key_file: str | None = None
+    ssl_cert_file: str | None = None
+    #: --sse-ping-interval: a comment into a stream silent this long (s; <= 0: never)
+    sse_ping_interval: int = 30
+    #: --ui-config: /props' ui_settings
+    ui_config: dict[str, Any] = field(default_factory=dict)
+    #: --log-*, -lv
+    log: LogConfig = field(default_factory=LogConfig)
+    #: llama_model_params / llama_context_params fields the flags set (--override-kv, -lm,
+    #: --no-repack, --no-host, --check-tensors; rope / YaRN, -nkvo, --no-op-offload)
+    model_params: dict[str, Any] = field(default_factory=dict)
+    context_params: dict[str, Any] = field(default_factory=dict)
+    #: --kv-unified-per-slot (0: unset)
+    kv_unified_per_slot: int = 0
+    #: -C / -Cr: the CPUs the process runs on (None: as started); --prio: its priority
+    cpus: frozenset[int] | None = None
+    prio: int = 0
 
     # -- derived ------------------------------------------------------------------
 
@@ -238,6 +273,8 @@ class ServerConfig(RequestDefaults):
             use_mmap=self.use_mmap,
             use_mlock=self.use_mlock,
             numa=self.numa,
+            model_params=self.model_params or None,
+            context_params=self.context_params or None,
             **self._placement_kw(),
         )
 

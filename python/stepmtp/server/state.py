@@ -101,6 +101,10 @@ class ServerState:
                      sum(d is not None for d in engine.drafts), mib["draft"]["compute"],
                      "full" if engine.target.swa_full else "window + ubatch",
                      engine.driver.n_checkpoints)
+            if cfg.warmup and hasattr(engine, "warmup"):
+                t1 = time.perf_counter()
+                engine.warmup()
+                log.info("warmed up in %.2f s (--no-warmup: none)", time.perf_counter() - t1)
             self.worker = Worker(engine, on_done=self._on_done)
             self.ready.set()
             log.info("server is listening on http://%s:%d - ready", _host_for_url(cfg.host), cfg.port)

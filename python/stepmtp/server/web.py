@@ -3,6 +3,7 @@ request bodies read under the size limit and validated, a body's schema in the
 OpenAPI spec, and the response that streams a job's events."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator, Callable, TypeVar
 
@@ -72,13 +73,44 @@ class SSEResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        inner = self.body_iterator
+        app = scope.get("app")
+        ping = getattr(getattr(getattr(app, "state", None), "service", None), "cfg", None)
+        interval = getattr(ping, "sse_ping_interval", 0) or 0
+        if interval > 0:
+            self.body_iterator = _pinged(inner, interval)
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception:  # noqa: BLE001
-                    pass
+            for it in {id(x): x for x in (self.body_iterator, inner)}.values():
+                aclose = getattr(it, "aclose", None)
+                if aclose is not None:
+                    try:
+                        await aclose()
+                    except Exception:  # noqa: BLE001
+                        pass
+
+
+async def _pinged(items: Any, interval: float) -> AsyncIterator[Any]:
+    """``items``, with llama-server's SSE ping (a comment line) whenever none came for
+    ``interval`` seconds: some clients (undici) drop a silent stream, e.g. a long prompt's."""
+    it = items.__aiter__()
+    nxt: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            if nxt is None:
+                nxt = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({nxt}, timeout=interval)
+            if not done:
+                yield ":\n\n"
+                continue
+            fut, nxt = nxt, None
+            try:
+                item = fut.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if nxt is not None:
+            nxt.cancel()

@@ -83,10 +83,10 @@ async def props(request: Request) -> dict[str, Any]:
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": "<__media__>",
         "endpoint_slots": cfg.endpoint_slots,
-        "endpoint_props": False,
+        "endpoint_props": cfg.endpoint_props,
         "endpoint_metrics": True,
         "ui": False,
-        "ui_settings": {},
+        "ui_settings": cfg.ui_config,
         "chat_template": m.chat_template or "",
         "chat_template_caps": caps,
         "bos_token": _special_text(m, m.bos),
@@ -113,6 +113,16 @@ async def props(request: Request) -> dict[str, Any]:
             "ctx_checkpoints": eng.driver.n_checkpoints,
         },
     }
+
+
+@router.post("/props", tags=["server"], summary="Change global properties (with --props), as llama-server's")
+async def post_props(request: Request) -> Any:
+    await read_body(request)
+    if not service(request).state.cfg.endpoint_props:
+        raise APIError("This server does not support changing global properties. Start it with `--props`",
+                       "not_supported_error")
+    # llama-server has no property to change yet either: it answers success
+    return {"success": True}
 
 
 @router.get("/slots", tags=["server"], summary="Each slot's state, as llama-server's")
