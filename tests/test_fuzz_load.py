@@ -42,7 +42,7 @@ def small(agree, tmp_path_factory):
     # slot files on, so that the slot routes are exercised, not refused (501 as llama-server)
     slots = tmp_path_factory.mktemp("fuzz-slots")
     args = ["-m", str(agree), "--spec-type", "draft-mtp", "-c", "256", "-np", "2", "-t", "1",
-            "--slot-save-path", str(slots)]
+            "--slot-save-path", str(slots), "--props"]  # and POST /props answered, not 501
     with running(args, tmp_path_factory.mktemp("fuzz")) as srv:
         yield srv
 

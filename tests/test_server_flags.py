@@ -245,7 +245,7 @@ def test_environment_negation(monkeypatch):
 
 
 def test_cors_rules():
-    from stepmtp.server.flags import Cors
+    from stepmtp.server.config import Cors
 
     assert Cors().allow_origin("https://a.example") == "https://a.example"
     assert Cors("localhost").allow_origin("http://localhost:3000") == "http://localhost:3000"
@@ -254,7 +254,7 @@ def test_cors_rules():
 
 
 def test_logging(tmp_path, capsys):
-    from stepmtp.server.flags import LogConfig
+    from stepmtp.server.config import LogConfig
 
     try:
         cli.setup_logging(False, LogConfig(file=str(tmp_path / "a.log"), jsonl=True, verbosity=2))

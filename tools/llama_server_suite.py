@@ -191,13 +191,16 @@ def free_port_base(n: int = 20) -> int:
 
 
 def known_flags() -> list[str]:
-    """Every option string of our server's parser (empty if it can't be imported: drop nothing)."""
+    """Every option string our server's parser takes, less those it refuses (a preset's
+    --embedding is dropped, as an unknown flag is, not refused); empty if it can't be
+    imported: drop nothing."""
     try:
         from stepmtp.server.cli import build_parser
+        from stepmtp.server.flags import _Refuse
     except Exception as e:  # the server is being edited: run without dropping
         print(f"warning: cannot import stepmtp.server.cli ({e}); no flag is dropped", file=sys.stderr)
         return []
-    return sorted({s for a in build_parser()._actions for s in a.option_strings})
+    return sorted({s for a in build_parser()._actions if not isinstance(a, _Refuse) for s in a.option_strings})
 
 
 def local_models(choice: str, tmp: Path) -> tuple[Path, Path]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from ..sampling import DEFAULT_SAMPLERS, SamplingParams, parse_samplers
+from .argtypes import ArgError, _choice, _float, _int, _json_object, _on_off, _on_off_auto
 from .config import ServerConfig
 
 PROG = "python -m stepmtp.server"
@@ -25,25 +26,7 @@ log = logging.getLogger("stepmtp.server")
 from ..drafters.ngram import NGRAM_TYPES, NgramConfig
 
 
-class ArgError(Exception):
-    pass
-
-
 # -- value types (errors name the flag through argparse) -----------------------
-
-
-def _int(v: str) -> int:
-    try:
-        return int(v, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
-
-
-def _float(v: str) -> float:
-    try:
-        return float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
 
 
 def _layers(v: str) -> int | str:
@@ -52,29 +35,6 @@ def _layers(v: str) -> int | str:
         return v
     n = _int(v)
     return n
-
-
-def _on_off_auto(v: str) -> bool | None:
-    low = v.lower()
-    if low in ("on", "enabled", "true", "1", "yes"):
-        return True
-    if low in ("off", "disabled", "false", "0", "no"):
-        return False
-    if low == "auto":
-        return None
-    raise argparse.ArgumentTypeError(f"expected on, off or auto, got {v!r}")
-
-
-def _json_object(v: str) -> dict[str, Any]:
-    import json
-
-    try:
-        obj = json.loads(v)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return obj
 
 
 def _csv(v: str) -> list[str]:
@@ -125,14 +85,6 @@ def _min_hits(v: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError("ngram min hits must be at least 1")
     return n
-
-
-def _on_off(v: str) -> bool:
-    if v.lower() in ("on", "1", "true", "enabled"):
-        return True
-    if v.lower() in ("off", "0", "false", "disabled"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected on or off, got {v!r}")
 
 
 class _Removed(argparse.Action):
@@ -209,14 +161,6 @@ class _Overrides(argparse.Action):
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentError(self, str(e)) from None
         setattr(ns, self.dest, list(getattr(ns, self.dest) or []) + new)
-
-
-def _choice(*allowed: str) -> Callable[[str], str]:
-    def check(v: str) -> str:
-        if v not in allowed:
-            raise argparse.ArgumentTypeError(f"expected one of {', '.join(allowed)}, got {v!r}")
-        return v
-    return check
 
 
 def _kv_cache_type(v: str) -> str:
@@ -902,7 +846,7 @@ def _placement(a: argparse.Namespace) -> tuple[Any, Any]:
 
 def setup_logging(verbose: bool, lc: Any = None) -> None:
     """The log as the flags say (-v, --log-*, -lv: ``flags.LogConfig``)."""
-    from .flags import LogConfig
+    from .config import LogConfig
     from .logs import handlers, level
 
     lc = lc or LogConfig()

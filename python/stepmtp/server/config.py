@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..api.defaults import DEFAULT_SEED, RequestDefaults
 from ..drafters.ngram import NgramConfig
-from .flags import Cors, LogConfig
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -23,6 +22,40 @@ def default_model_path() -> Path:
     from ..models import default_model_path as bundled
 
     return bundled()
+
+
+@dataclass(frozen=True)
+class Cors:
+    """--cors-*: what a response's CORS headers say (llama-server's rules)."""
+
+    origins: str = "*"
+    methods: str = "GET, POST, DELETE, OPTIONS"
+    headers: str = "*"
+    credentials: bool = True
+
+    def allow_origin(self, origin: str | None) -> str | None:
+        """The Access-Control-Allow-Origin for a request's Origin (None: no header)."""
+        if self.credentials and self.origins == "*":
+            return origin or ""  # any origin, credentials allowed: the caller's reflected
+        if self.origins == "localhost":
+            from urllib.parse import urlsplit
+
+            host = urlsplit(origin or "").hostname
+            return origin if host in ("localhost", "127.0.0.1", "::1") else None
+        return self.origins
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """--log-*, -lv."""
+
+    disable: bool = False
+    file: str | None = None
+    jsonl: bool = False
+    colors: bool | None = None
+    verbosity: int = 3
+    prefix: bool = True
+    timestamps: bool = True
 
 
 @dataclass

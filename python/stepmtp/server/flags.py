@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .argtypes import ArgError, _choice, _float, _int, _json_object, _on_off_auto
+
 __all__ = ["ACCEPTED", "REFUSED", "Compat", "add_compat_flags"]
 
 _TEXT_ONLY = "Step-3.5-Flash takes text only: no multimodal projector is loaded, media parts are a 400"
@@ -260,9 +262,7 @@ def _kv_override(v: str) -> list[tuple[str, str, Any]]:
 
 def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
     """llama-server's flags implemented here past cli's groups."""
-    from . import cli
-
-    on_off = cli._on_off_auto
+    on_off = _on_off_auto
     g = ap.add_argument_group("sampling and output defaults (a request's own values win)")
     add(g, "-r", "--reverse-prompt", metavar="PROMPT", dest="reverse_prompt", action="append", default=[],
         help="stop strings of a request that gives none (repeatable)")
@@ -307,10 +307,10 @@ def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
         help="a last assistant message is a whole message; the answer is a new one")
 
     g = ap.add_argument_group("HTTP")
-    add(g, "-to", "--timeout", metavar="N", dest="timeout", type=cli._int, default=3600, env="LLAMA_ARG_TIMEOUT",
+    add(g, "-to", "--timeout", metavar="N", dest="timeout", type=_int, default=3600, env="LLAMA_ARG_TIMEOUT",
         help="read/write timeout in seconds: a request body not received, or a response not taken, in this "
              "long ends the connection; an idle kept-alive connection closes after it (default: 3600)")
-    add(g, "--threads-http", metavar="N", dest="threads_http", type=cli._int, default=-1,
+    add(g, "--threads-http", metavar="N", dest="threads_http", type=_int, default=-1,
         env="LLAMA_ARG_THREADS_HTTP", help="threads for the requests' blocking work (tokenizing, templates) "
                                            "(default: -1, anyio's 40)")
     add(g, "--api-prefix", metavar="PREFIX", dest="api_prefix", default="", env="LLAMA_ARG_API_PREFIX",
@@ -340,11 +340,11 @@ def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
         help="a PEM-encoded SSL private key: HTTPS")
     add(g, "--ssl-cert-file", metavar="FNAME", dest="ssl_cert_file", env="LLAMA_ARG_SSL_CERT_FILE",
         help="a PEM-encoded SSL certificate: HTTPS")
-    add(g, "--sse-ping-interval", metavar="N", dest="sse_ping_interval", type=cli._int, default=30,
+    add(g, "--sse-ping-interval", metavar="N", dest="sse_ping_interval", type=_int, default=30,
         env="LLAMA_ARG_SSE_PING_INTERVAL",
         help="a stream silent this many seconds gets an SSE comment (':'), so clients do not time out "
              "(-1 = disabled, default: 30)")
-    add(g, "--ui-config", "--webui-config", metavar="JSON", dest="ui_config", type=cli._json_object,
+    add(g, "--ui-config", "--webui-config", metavar="JSON", dest="ui_config", type=_json_object,
         env="LLAMA_ARG_UI_CONFIG", help="settings for a web UI, a JSON object, served as /props' ui_settings")
     add(g, "--ui-config-file", "--webui-config-file", metavar="PATH", dest="ui_config_file",
         env="LLAMA_ARG_UI_CONFIG_FILE", help="a file holding --ui-config's JSON")
@@ -358,7 +358,7 @@ def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
     add(g, "--no-log-jsonl", dest="log_jsonl", action="store_const", const=False, help="plain log lines")
     add(g, "--log-colors", metavar="[on|off|auto]", dest="log_colors", type=on_off, default=None,
         env="LLAMA_ARG_LOG_COLORS", help="colored log levels; auto: when the log goes to a terminal (default: auto)")
-    add(g, "-lv", "--verbosity", "--log-verbosity", metavar="N", dest="verbosity", type=cli._int, default=3,
+    add(g, "-lv", "--verbosity", "--log-verbosity", metavar="N", dest="verbosity", type=_int, default=3,
         env="LLAMA_ARG_LOG_VERBOSITY", help="log messages up to this level: 0 generic output, 1 error, 2 warning, "
                                             "3 info, 4 trace, 5 debug (default: 3)")
     add(g, "--log-prefix", dest="log_prefix", action="store_const", const=True, default=True,
@@ -372,7 +372,7 @@ def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
     add(g, "--override-kv", metavar="KEY=TYPE:VALUE,...", dest="override_kv", type=_kv_override, action="append",
         default=[], help="override model metadata by key (types int, float, bool, str), e.g. "
                          "tokenizer.ggml.add_bos_token=bool:false")
-    add(g, "--rope-scaling", metavar="{none,linear,yarn}", dest="rope_scaling", type=cli._choice(*ROPE_SCALING),
+    add(g, "--rope-scaling", metavar="{none,linear,yarn}", dest="rope_scaling", type=_choice(*ROPE_SCALING),
         env="LLAMA_ARG_ROPE_SCALING_TYPE", help="RoPE frequency scaling method (default: the model's)")
     for flag, dest, env, what in (
             ("--rope-scale", "rope_scale", "LLAMA_ARG_ROPE_SCALE", "RoPE context scaling factor: expands the "
@@ -384,8 +384,8 @@ def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
             ("--yarn-attn-factor", "yarn_attn_factor", "LLAMA_ARG_YARN_ATTN_FACTOR", "YaRN attention scale"),
             ("--yarn-beta-slow", "yarn_beta_slow", "LLAMA_ARG_YARN_BETA_SLOW", "YaRN high correction dim"),
             ("--yarn-beta-fast", "yarn_beta_fast", "LLAMA_ARG_YARN_BETA_FAST", "YaRN low correction dim")):
-        add(g, flag, metavar="N", dest=dest, type=cli._float, env=env, help=f"{what} (default: the model's)")
-    add(g, "--yarn-orig-ctx", metavar="N", dest="yarn_orig_ctx", type=cli._int, env="LLAMA_ARG_YARN_ORIG_CTX",
+        add(g, flag, metavar="N", dest=dest, type=_float, env=env, help=f"{what} (default: the model's)")
+    add(g, "--yarn-orig-ctx", metavar="N", dest="yarn_orig_ctx", type=_int, env="LLAMA_ARG_YARN_ORIG_CTX",
         help="YaRN original context size of the model (default: the model's training context)")
     add(g, "-kvo", "--kv-offload", dest="kv_offload", action="store_const", const=True, default=True,
         env="LLAMA_ARG_KV_OFFLOAD", help="KV cache offloading to the GPU (default: enabled)")
@@ -402,10 +402,10 @@ def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
         help="bypass host buffer allowing extra buffers to be used")
     add(g, "--check-tensors", dest="check_tensors", action="store_true",
         help="check model tensor data for invalid values at the load")
-    add(g, "-lm", "--load-mode", metavar="MODE", dest="load_mode", type=cli._choice(*LOAD_MODES),
+    add(g, "-lm", "--load-mode", metavar="MODE", dest="load_mode", type=_choice(*LOAD_MODES),
         env="LLAMA_ARG_LOAD_MODE", help="auto (mmap), none, mmap, mlock, mmap+mlock, dio (direct I/O) "
                                         "(default: auto; --mmap, --no-mmap, --mlock as before)")
-    add(g, "--kv-unified-per-slot", metavar="N", dest="kv_unified_per_slot", type=cli._int, default=0,
+    add(g, "--kv-unified-per-slot", metavar="N", dest="kv_unified_per_slot", type=_int, default=0,
         env="LLAMA_ARG_KV_UNIFIED_PER_SLOT",
         help="without -c, the shared KV cache is sized to slots x N (a slot is not stopped at N tokens)")
 
@@ -434,7 +434,6 @@ def _escapes(s: str) -> str:
 
 
 def _read(path: str, flag: str) -> str:
-    from .cli import ArgError
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -447,7 +446,7 @@ def llama_config(a: argparse.Namespace) -> dict[str, Any]:
     """``add_llama_flags``' values as ServerConfig fields; ArgError for a bad one."""
     import json
 
-    from .cli import ArgError
+    from .config import Cors, LogConfig
 
     grammar: tuple[str, Any] | None = None
     gbnf = _read(a.grammar_file, "--grammar-file") if a.grammar_file else a.grammar
@@ -528,37 +527,3 @@ def llama_config(a: argparse.Namespace) -> dict[str, Any]:
         model_params=model_params, context_params=context_params, kv_unified_per_slot=a.kv_unified_per_slot,
         cpus=cpus, prio=a.prio,
     )
-
-
-@dataclass(frozen=True)
-class Cors:
-    """--cors-*: what a response's CORS headers say (llama-server's rules)."""
-
-    origins: str = "*"
-    methods: str = "GET, POST, DELETE, OPTIONS"
-    headers: str = "*"
-    credentials: bool = True
-
-    def allow_origin(self, origin: str | None) -> str | None:
-        """The Access-Control-Allow-Origin for a request's Origin (None: no header)."""
-        if self.credentials and self.origins == "*":
-            return origin or ""  # any origin, credentials allowed: the caller's reflected
-        if self.origins == "localhost":
-            from urllib.parse import urlsplit
-
-            host = urlsplit(origin or "").hostname
-            return origin if host in ("localhost", "127.0.0.1", "::1") else None
-        return self.origins
-
-
-@dataclass(frozen=True)
-class LogConfig:
-    """--log-*, -lv."""
-
-    disable: bool = False
-    file: str | None = None
-    jsonl: bool = False
-    colors: bool | None = None
-    verbosity: int = 3
-    prefix: bool = True
-    timestamps: bool = True

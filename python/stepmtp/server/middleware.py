@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..api.errors import error_body
 from ..api.service import POOL
-from .flags import Cors
+from .config import Cors
 from .state import ServerState
 
 log = logging.getLogger("stepmtp.server")
