@@ -26,7 +26,8 @@ from . import gate as G
 from . import harness as H
 from . import report as R
 from .harness import BenchRun, run_bench
-from .model import BENCH_MODEL_MB, DEFAULT_MODEL, MODEL_NAMES, bench_model, file_sha256, resolve_model
+from ..llama import QUANT_TYPES
+from .model import BENCH_MODEL_MB, DEFAULT_MODEL, MODEL_NAMES, bench_model, bench_weights, file_sha256, resolve_model
 from .prompts import load_prompts
 from .runners import (COMPARE_CONFIGS, COMPARE_CPP_CONFIGS, COMPARE_SETS, BenchConfig, EngineRunner, Runner, ServerRunner,
                       URLRunner, find_llama_server, parse_configs)
@@ -50,9 +51,9 @@ class RPCConfig(BenchConfig):
 
 
 #: settings a baseline carries, so that --baseline FILE alone reruns them
-BASELINE_SETTINGS = ("model", "bench_model_mb", "prompts", "categories", "limit", "n_predict", "configs",
+BASELINE_SETTINGS = ("model", "bench_model_mb", "bench_weights", "prompts", "categories", "limit", "n_predict", "configs",
                      "threads", "ctx_size", "repeat", "warmup")
-BUILTIN = {"model": None, "bench_model_mb": None, "prompts": None, "categories": None, "limit": None,
+BUILTIN = {"model": None, "bench_model_mb": None, "bench_weights": None, "prompts": None, "categories": None, "limit": None,
            "n_predict": None, "configs": None, "threads": None, "ctx_size": 2048, "repeat": 1, "warmup": 1}
 
 
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on a variant of the model with Step-3.5-Flash's cost shape (same predictions, "
                         f"weight-bound decode; stepmtp.bench.flash), made once and cached (default: {BENCH_MODEL_MB} "
                         "MB read per decode)")
+    g.add_argument("--bench-weights", dest="bench_weights", default=None, metavar="TYPE", type=str.upper,
+                   choices=sorted(QUANT_TYPES),
+                   help="the bench model's weights quantized to TYPE by llama.cpp's own quantizer (Q8_0, Q4_0, "
+                        "Q4_K_M, IQ4_XS, ...), made once and cached (default: F16)")
     g = ap.add_argument_group("prompts")
     g.add_argument("--prompts", default=None, metavar="FILE", help="prompt set, JSON or JSONL (default: the "
                    "package's prompts/default.json)")
@@ -130,6 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "stepmtp.bench.agent_turns), each entry's generation tok/s; --temps '' for these alone")
     g.add_argument("--agent-turns", type=int, default=4, metavar="N",
                    help="--agent: turns of each kind (default 4)")
+    g = ap.add_argument_group("speed")
+    g.add_argument("--speed", action="store_true",
+                   help="prompt and plain decoding speed through the servers (see stepmtp.bench.speed): a fresh "
+                        "prompt's tokens/s, and N clients' generation tokens/s for each N of --clients, every "
+                        "figure paired with the C++ llama-server's (cpp-off) with --llama-server PATH; --entries "
+                        "picks the servers (default off, and cpp-off with --llama-server)")
+    g.add_argument("--prompt-tokens", type=int, default=4096, metavar="N",
+                   help="--speed: the fresh prompt's length in tokens (default 4096)")
+    g.add_argument("--verify-costs", action="store_true",
+                   help="what a decode of k = 1, 2, 3, 4, 8, 16, 32, 63 rows of one sequence costs in one-row "
+                        "decodes, with our kernels and with llama.cpp's own (GGML_CPU_ROW_INVARIANT_ROWS=0), each "
+                        "in fresh processes (see stepmtp.bench.verify_costs)")
     g = ap.add_argument_group("run")
     g.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="throughput of N concurrent clients on N slots against 1 client on 1 slot, per "
@@ -191,7 +208,8 @@ def _model_info(spec: str | None, path: Path, bench_mb: float | None) -> dict[st
     info: dict[str, Any] = {"name": Path(spec).name if spec and spec not in MODEL_NAMES else (spec or DEFAULT_MODEL),
                             "path": str(path), "size_bytes": path.stat().st_size, "sha256": file_sha256(path)}
     if bench_mb:
-        info["name"] += f" (widened to {bench_mb:.0f} MB)"
+        weights = next((q for q in QUANT_TYPES if path.stem.endswith("-" + q)), "F16")
+        info["name"] += f" (widened to {bench_mb:.0f} MB, {weights})"
         info["bench_model_mb"] = bench_mb
     try:
         import gguf
@@ -270,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.parallel is not None:
         return _parallel(args, s, cfgs, prompts, progress)
+    if args.verify_costs:
+        return _verify_costs(args, s, progress)
+    if args.speed:
+        return _speed(args, s, llama_server, progress)
     if args.matrix:
         return _matrix(args, s, prompts, llama_server, progress)
 
@@ -354,6 +376,8 @@ def _model_path(s: dict[str, Any], progress: bool) -> Path | None:
         path = resolve_model(s["model"])
         if s["bench_model_mb"]:
             path = bench_model(path, s["bench_model_mb"], quiet=not progress)
+            if s.get("bench_weights"):
+                path = bench_weights(path, s["bench_weights"], quiet=not progress)
     except (FileNotFoundError, ValueError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return None
@@ -395,6 +419,82 @@ def _parallel(args: argparse.Namespace, s: dict[str, Any], cfgs: list[BenchConfi
     if bad:
         print(f"{PROG}: outputs differ between 1 and {args.parallel} clients for {', '.join(bad)}", file=sys.stderr)
         return 3
+    return 0
+
+
+def _emit(args: argparse.Namespace, md: str, doc: dict[str, Any], name: str) -> None:
+    """The Markdown on stdout; the JSON and Markdown where --json / --markdown / --out say."""
+    print(md)
+    outs = {"json": args.json, "markdown": args.markdown}
+    if args.out:
+        d = Path(args.out)
+        d.mkdir(parents=True, exist_ok=True)
+        outs = {k: v or str(d / f"{name}.{'md' if k == 'markdown' else k}") for k, v in outs.items()}
+    if outs["json"]:
+        text = json.dumps(doc, indent=2) + "\n"
+        sys.stdout.write(text) if outs["json"] == "-" else Path(outs["json"]).write_text(text)
+    if outs["markdown"]:
+        Path(outs["markdown"]).write_text(md)
+
+
+def _speed(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | None, progress: bool) -> int:
+    from . import matrix as X
+    from . import speed as S
+
+    if args.url or args.baseline or args.configs or args.compare or args.rpc:
+        print(f"{PROG}: --speed starts its own servers (no --url, --baseline, --configs, --compare or --rpc)",
+              file=sys.stderr)
+        return 2
+    try:
+        names = args.entries or ("off,cpp-off" if llama_server is not None else "off")
+        entries = X.parse_entries(names, llama_server is not None)
+        clients = [int(n) for n in args.clients.split(",") if n.strip()]
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    path = _model_path(s, progress)
+    if path is None:
+        return 2
+    n_predict = s["n_predict"] or 128
+    try:
+        run = S.run_speed(entries, path, prompt_tokens=args.prompt_tokens, clients=clients, n_predict=n_predict,
+                          repeat=s["repeat"], llama_server=llama_server, threads=s["threads"], progress=progress)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    env = R.environment(s["threads"])
+    reference = "cpp-off" if any(e.name == "cpp-off" for e in entries) else "off"
+    model = _model_info(s["model"], path, s["bench_model_mb"])
+    md = (f"{S.speed_markdown(run, entries, reference)}\nprompt {args.prompt_tokens} tokens; decode {n_predict} "
+          f"tokens a client at temperature 0; {s['repeat']} repetitions; {env.get('cpu_model')}, "
+          f"{env.get('n_threads')} threads; model {model['name']}\n")
+    doc = {"speed": run.figures, "cells": run.cells, "reference": reference,
+           "entries": {e.name: {"flags": list(e.flags), "cpp": e.cpp} for e in entries}, "model": model,
+           "settings": {"prompt_tokens": args.prompt_tokens, "n_predict": n_predict, "clients": clients,
+                        "repeat": s["repeat"], "threads": s["threads"]}, "environment": env}
+    _emit(args, md, doc, "speed")
+    return 0
+
+
+def _verify_costs(args: argparse.Namespace, s: dict[str, Any], progress: bool) -> int:
+    from . import verify_costs as V
+
+    path = _model_path(s, progress)
+    if path is None:
+        return 2
+    try:
+        doc = V.run_verify_costs(path, threads=s["threads"], progress=progress)
+    except RuntimeError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    env = R.environment(s["threads"])
+    model = _model_info(s["model"], path, s["bench_model_mb"])
+    doc.update(model=model, environment=env)
+    md = f"{V.verify_costs_markdown(doc)}\n{env.get('cpu_model')}, {env.get('n_threads')} threads; model {model['name']}\n"
+    _emit(args, md, doc, "verify-costs")
     return 0
 
 

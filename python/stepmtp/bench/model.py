@@ -177,6 +177,30 @@ def bench_model(src: str | os.PathLike[str], size_mb: float = BENCH_MODEL_MB, *,
     return dst
 
 
+def bench_weights(path: str | os.PathLike[str], qtype: str, *, quiet: bool = False) -> Path:
+    """``path`` (a bench-size model) with its weights quantized to ``qtype`` by
+    llama.cpp's own quantizer (``stepmtp.llama.quantize``, the choices llama-quantize
+    makes), beside it in the cache; ``path`` itself for F16, its own type."""
+    from ..llama import quantize
+
+    src = Path(path)
+    qtype = qtype.upper()
+    if qtype == "F16":
+        return src
+    dst = src.with_name(f"{src.stem}-{qtype}.gguf")
+    if dst.is_file():
+        return dst
+    if not quiet:
+        print(f"bench: quantizing the bench model to {qtype}: {dst} (once)", file=sys.stderr)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    try:
+        quantize(src, tmp, qtype)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dst
+
+
 def bench_scale(size_mb: float, hidden: int = BENCH_HIDDEN_FACTOR * 128) -> float:
     """The shaping scale of a bench-size model of hidden width ``hidden`` reading
     ``size_mb`` MB per decode."""
