@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -71,7 +72,8 @@ def value_for(flag: str, hint: str, f: dict[str, str]) -> list[str]:
         "--mirostat": ["0"], "--dry-multiplier": ["0"], "--cpu-strict": ["0"], "--control-vector-layer-range": ["1", "2"],
         "-fit": ["on"], "--kv-unified-per-slot": ["0"], "--sleep-idle-seconds": ["10"], "-lv": ["3"],
         "--pooling": ["mean"], "--spec-ngram-mod-n-min": ["48"], "--spec-ngram-mod-n-max": ["64"],
-        "--spec-ngram-mod-n-match": ["24"],
+        "--spec-ngram-mod-n-match": ["24"], "--lora": [f["file"]], "--lora-scaled": [f["file"] + ":0.5"],
+        "--control-vector": [f["file"]], "--control-vector-scaled": [f["file"] + ":0.5"],
     }
     if flag in special:
         return special[flag]
@@ -442,3 +444,64 @@ def test_docs_table_is_generated():
     text = doc.DOC.read_text()
     start, end = text.index(doc.BEGIN) + len(doc.BEGIN), text.index(doc.END)
     assert text[start:end] == "\n" + doc.table()
+
+
+def test_sleep_idle_seconds(tiny, tmp_path):
+    """--sleep-idle-seconds: idle that long, the engine is freed; /health, /props (with
+    is_sleeping), /v1/models and /metrics answer without waking it; the next completion
+    loads the model again and gives the same text, with the LoRA scales POST
+    /lora-adapters set before."""
+    from test_server import running
+
+    from stepmtp.tiny import write_tiny_lora
+
+    lora = write_tiny_lora(tmp_path / "lora.gguf", gain=4.0)
+    body = {"prompt": [1, 17, 42, 99], "n_predict": 8, "temperature": 0}
+    args = ["-m", str(tiny), "-t", "1", "-c", "128", "--no-warmup", "--sleep-idle-seconds", "1",
+            "--lora", str(lora), "--lora-init-without-apply"]
+    with running(args, tmp_path) as srv:
+        def wait_for(needle: str) -> None:
+            for _ in range(100):
+                if needle in srv.log():
+                    return
+                time.sleep(0.1)
+            raise AssertionError(f"no {needle!r} in the log:\n{srv.log()}")
+
+        plain = httpx.post(srv.url + "/completion", json=body, timeout=60).json()["content"]
+        assert httpx.post(srv.url + "/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
+        with_lora = httpx.post(srv.url + "/completion", json=body, timeout=60).json()["content"]
+        assert with_lora != plain
+        wait_for("entering sleeping state")
+        assert httpx.get(srv.url + "/health").status_code == 200
+        p = httpx.get(srv.url + "/props").json()
+        assert p["is_sleeping"] and p["total_slots"] >= 1 and p["model_path"] == str(tiny)
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["meta"]["n_vocab"] > 0
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+        assert "exiting sleeping state" not in srv.log()
+        assert httpx.post(srv.url + "/completion", json=body, timeout=60).json()["content"] == with_lora
+        assert "exiting sleeping state" in srv.log()
+        assert not httpx.get(srv.url + "/props").json()["is_sleeping"]
+        assert [x["scale"] for x in httpx.get(srv.url + "/lora-adapters").json()] == [1.0]
+
+
+def test_sleep_idle_seconds_values():
+    assert parse_args(["--sleep-idle-seconds", "5"]).sleep_idle_seconds == 5
+    assert parse_args([]).sleep_idle_seconds == -1
+    for bad in ("0", "-2"):
+        with pytest.raises(SystemExit):
+            parse_args(["--sleep-idle-seconds", bad])
+
+
+def test_adapter_flags_parsed(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"x")
+    b.write_bytes(b"x")
+    cfg = parse_args(["--lora", f"{a},{b}", "--lora-scaled", f"{b}:0.25", "--lora", str(a),
+                      "--control-vector-scaled", f"{a}:-0.5", "--control-vector", str(b),
+                      "--control-vector-layer-range", "2", "5", "--lora-init-without-apply"])
+    assert cfg.lora == [(str(a), 1.0), (str(b), 1.0), (str(b), 0.25), (str(a), 1.0)]
+    assert cfg.control_vectors == [(str(a), -0.5), (str(b), 1.0)] and cfg.control_vector_layers == (2, 5)
+    assert cfg.lora_init_without_apply
+    for bad in ([f"--lora-scaled", str(a)], ["--lora-scaled", f"{a}:x"], ["--lora", str(tmp_path / "none.gguf")]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

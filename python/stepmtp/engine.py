@@ -100,6 +100,14 @@ class Engine:
             at temperature 0 speculative output equals plain decoding's on a backend
             whose kernels depend on the batch's size (CUDA, Metal). On the CPU rows
             already are (patches 0009, 0010): there it only costs time.
+        lora: LoRA adapters on the target, (path, scale) each (llama-server's ``--lora``,
+            ``--lora-scaled``); a request's ``lora`` or ``set_lora`` changes the scales.
+        lora_init_without_apply: the adapters load with scale 0 (``--lora-init-without-apply``).
+        control_vectors: control vectors added to the target's layers, (path, strength)
+            each (``--control-vector``, ``--control-vector-scaled``), over the layers
+            ``control_vector_layers`` (start, end), inclusive; default 1 to the last.
+            Adapters change the target only: the heads draft, the target verifies, so at
+            temperature 0 the text is plain decoding's with the same adapters.
         seed: default seed of the samplers (a request's own seed wins).
         progress: show loading progress on stderr.
         debug: check the driver's invariant (pending_h == h_tgt(pos(id_last) - 1))
@@ -164,6 +172,10 @@ class Engine:
         debug: bool = False,
         model_params: Mapping[str, Any] | None = None,
         context_params: Mapping[str, Any] | None = None,
+        lora: Sequence[tuple[str | os.PathLike[str], float]] = (),
+        lora_init_without_apply: bool = False,
+        control_vectors: Sequence[tuple[str | os.PathLike[str], float]] = (),
+        control_vector_layers: tuple[int, int] | None = None,
     ) -> None:
         self.spec = spec or SpecConfig(mode=mode, n_max=n_max, n_min=n_min, p_min=p_min, schedule=schedule,
                                        verify=verify, adaptive=adaptive, draft_vocab=draft_vocab,
@@ -212,6 +224,19 @@ class Engine:
             if batch_invariant:
                 # every verify: each slot's id_last and drafts
                 self.target.batch_invariant = max(2, n_parallel * (self.spec.n_max + 1))
+            from .adapters import Adapters
+
+            #: LoRA adapters and control vector of the target (empty: none)
+            self.adapters = Adapters(self.model, [(os.fspath(p), float(x)) for p, x in lora],
+                                     init_without_apply=lora_init_without_apply,
+                                     control_vectors=[(os.fspath(p), float(x)) for p, x in control_vectors],
+                                     layer_range=control_vector_layers)
+            self.adapters.attach(self.target)
+            if batch_invariant and self.adapters.loras:
+                # patch 0012 splits the weights' products row by row, not an adapter's
+                log.warning("LoRA adapters with the batch-invariant target: the adapters' products are computed "
+                            "for the whole batch, so on a GPU speculative text at temperature 0 may part from "
+                            "plain decoding's")
             if self.spec.mode != "none":
                 if mtp_model is not None:
                     ngl = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
@@ -243,7 +268,8 @@ class Engine:
             self.driver = MTPDriver(self.target, self.drafts, self.spec, n_seq=n_parallel, debug=debug,
                                     cache_ram=cache_ram_mib << 20 if cache_ram_mib > 0 else cache_ram_mib,
                                     checkpoints=ctx_checkpoints)
-            self.slots = Slots(self.driver, self.model, n_parallel, similarity=slot_prompt_similarity)
+            self.slots = Slots(self.driver, self.model, n_parallel, similarity=slot_prompt_similarity,
+                               adapters=self.adapters)
         except BaseException:
             self.close()
             raise
@@ -362,7 +388,7 @@ class Engine:
                  sampling: SamplingParams | None = None, verify: Verify | None = None,
                  cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                  grammar: Any = None, mask_drafts: bool = True, reasoning_budget: "ReasoningBudget | None" = None,
-                 pool: object = None, **sampling_kw: Any) -> Completion:
+                 pool: object = None, lora: Mapping[int, float] | None = None, **sampling_kw: Any) -> Completion:
         """Generate a completion. ``sampling_kw`` are SamplingParams fields
         (temperature, top_k, top_p, min_p, seed, repeat_penalty, ...); ``verify``
         overrides the engine's verification (exact, rejection, auto) for this request.
@@ -380,10 +406,14 @@ class Engine:
         counted from the prompt's open think block if it ends in one; not with a grammar.
         ``pool``: the pool of earlier requests' tokens context drafting reads and adds
         to (any hashable key; the server's: its API key): requests of one pool may
-        learn, through timing, what another wrote."""
+        learn, through timing, what another wrote.
+        ``lora``: this request's LoRA scales, adapter id -> scale (llama-server's
+        request ``lora``: the adapters it does not name are off); default: the
+        engine's (``set_lora``)."""
         gen = self._generate(self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                                            n_probs, post_sampling_probs, grammar=grammar,
-                                           mask_drafts=mask_drafts, reasoning_budget=reasoning_budget, pool=pool))
+                                           mask_drafts=mask_drafts, reasoning_budget=reasoning_budget, pool=pool,
+                                           lora=lora))
         while True:
             try:
                 next(gen)
@@ -395,7 +425,8 @@ class Engine:
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                grammar: Any = None, mask_drafts: bool = True, reasoning_budget: "ReasoningBudget | None" = None,
                preserve_tokens: Sequence[int] = (), return_progress: bool = False, n_before_user: int = 0,
-               pool: object = None, **sampling_kw: Any) -> Iterator[Chunk]:
+               pool: object = None, lora: Mapping[int, float] | None = None,
+               **sampling_kw: Any) -> Iterator[Chunk]:
         """Generate, yielding pieces of text as tokens are accepted. The generator's
         return value (``StopIteration.value``) is the Completion. The arguments after
         ``reasoning_budget`` are ``submit``'s."""
@@ -403,7 +434,7 @@ class Engine:
                                             n_probs, post_sampling_probs, preserve_tokens, grammar=grammar,
                                             mask_drafts=mask_drafts, return_progress=return_progress,
                                             reasoning_budget=reasoning_budget, n_before_user=n_before_user,
-                                            pool=pool))
+                                            pool=pool, lora=lora))
 
     def _request(self, prompt: str | Sequence[int], n_predict: int, stop: Sequence[str],
                  sampling: SamplingParams | None, sampling_kw: dict[str, Any],
@@ -411,7 +442,7 @@ class Engine:
                  post_sampling_probs: bool = False, preserve_tokens: Sequence[int] = (),
                  grammar: Any = None, mask_drafts: bool = True, return_progress: bool = False,
                  reasoning_budget: "ReasoningBudget | None" = None, n_before_user: int = 0,
-                 pool: object = None) -> Request:
+                 pool: object = None, lora: Mapping[int, float] | None = None) -> Request:
         self._check_open()
         verify = verify or self.spec.verify
         if verify not in ("auto", "exact", "rejection"):
@@ -457,7 +488,7 @@ class Engine:
         req = Request(prompt_tokens, n_predict, list(stop), params, rejection, cache_prompt=cache_prompt,
                       n_probs=n_probs, post_probs=post_sampling_probs, preserved=frozenset(preserve_tokens),
                       constraint=constraint, mask_drafts=mask_drafts, return_progress=return_progress,
-                      pool_key=pool)
+                      pool_key=pool, lora=lora)
         req.state.n_before_user = n_before_user
         return req
 
@@ -552,7 +583,8 @@ class Engine:
                cache_prompt: bool = True, n_probs: int = 0, post_sampling_probs: bool = False,
                preserve_tokens: Sequence[int] = (), grammar: Any = None, mask_drafts: bool = True,
                return_progress: bool = False, n_before_user: int = 0,
-               reasoning_budget: "ReasoningBudget | None" = None, pool: object = None, **sampling_kw: Any) -> Request:
+               reasoning_budget: "ReasoningBudget | None" = None, pool: object = None,
+               lora: Mapping[int, float] | None = None, **sampling_kw: Any) -> Request:
         """Queue a generation without driving it, for a program that schedules many
         from one thread (the server): ``step()`` makes progress on every queued and
         running one; the returned request's ``chunks`` fill up as tokens are accepted
@@ -565,7 +597,7 @@ class Engine:
         (the same pieces give the same logits)."""
         req = self._request(prompt, n_predict, stop, sampling, sampling_kw, verify, cache_prompt,
                             n_probs, post_sampling_probs, preserve_tokens, grammar, mask_drafts,
-                            return_progress, reasoning_budget, n_before_user, pool)
+                            return_progress, reasoning_budget, n_before_user, pool, lora)
         self.slots.submit(req)
         return req
 
@@ -607,7 +639,7 @@ class Engine:
 
         with self._lock:
             self._idle_slot(slot)
-            return self.driver.restore_cache(slot, Path(path))
+            return self.driver.restore_cache(slot, Path(path), self.adapters.key())
 
     def erase_slot(self, slot: int) -> int:
         """Forget what an idle slot holds; the tokens it held."""
@@ -616,6 +648,16 @@ class Engine:
             n = len(self.driver.cached_tokens(slot))
             self.driver.release(slot)
             return n
+
+    # -- LoRA adapters (llama-server's /lora-adapters) ----------------------------------
+
+    def set_lora(self, lora: Mapping[int, float]) -> None:
+        """The scales of requests that do not give their own (adapter id -> scale; the
+        adapters not named are off). Requests already submitted keep theirs; a slot's
+        cached prompt serves only requests with the scales it was computed with."""
+        with self._lock:
+            self._check_open()
+            self.adapters.set_scales(lora)
 
     @property
     def busy(self) -> bool:

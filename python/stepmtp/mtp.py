@@ -129,6 +129,9 @@ class _Cache:
     used: int = 0
     #: SeqState.checkpoints, of the sequence that left this cache
     checkpoints: list["Checkpoint"] = field(default_factory=list)
+    #: the LoRA scales its KV was computed with (SeqState.adapter): only a sequence
+    #: with the same ones reuses it
+    adapter: tuple[float, ...] = ()
 
 
 
@@ -324,14 +327,14 @@ class MTPDriver:
         if len(prompt) >= self.n_ctx_seq:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context ({self.n_ctx_seq})")
         c = self.cache[s.seq_id]
-        shared = common_prefix(c.tokens, prompt) if reuse and c is not None else 0
+        shared = common_prefix(c.tokens, prompt) if reuse and c is not None and c.adapter == s.adapter else 0
         stashed = False
         if reuse and self.host is not None:
             # the slot keeps at most the prefix it shares with this prompt (often a
             # system prompt or a few tokens): the rest of its own goes out, or the next
             # request of that conversation decodes it again; a prompt kept in host
             # memory that shares more than the slot's own comes back in
-            key, n_host = self.host.best(prompt, common_prefix)
+            key, n_host = self.host.best(prompt, common_prefix, s.adapter)
             stashed = self._stash(s.seq_id, keep=shared)
             if n_host > shared + self.HOST_MIN_GAIN:
                 restored = self._restore(s.seq_id, self.host.take(key))
@@ -451,7 +454,7 @@ class MTPDriver:
         else:
             kv_valid, anchors = [n] * self.n_heads, None
         self.cache[s.seq_id] = _Cache(tokens, kv_valid, anchors, s.h_log, next(self._clock),
-                                      s.checkpoints)
+                                      s.checkpoints, s.adapter)
 
     # -- a slot's cache out of llama.cpp and back (prompt_cache.py) ------------------
 
@@ -465,7 +468,7 @@ class MTPDriver:
         A = c.anchors
         return SlotState(list(c.tokens), self.target.seq_state(seq_id) if target else None, heads,
                          list(c.kv_valid), (A.start, A.tok[: A.n].copy(), A.h[: A.n].copy()) if A else None,
-                         list(c.checkpoints))
+                         list(c.checkpoints), c.adapter)
 
     def load(self, seq_id: int, st: SlotState) -> None:
         """Put a state back into slot ``seq_id`` (its target's KV already there when
@@ -484,7 +487,7 @@ class MTPDriver:
             if len(tok):
                 A.append(tok, rows)
         self.cache[seq_id] = _Cache(list(st.tokens), list(st.kv_valid), A, None, next(self._clock),
-                                    list(st.checkpoints))
+                                    list(st.checkpoints), st.adapter)
 
     def _restore(self, seq_id: int, st: SlotState) -> bool:
         """``load`` a state from host memory into slot ``seq_id``. A shared cache short
@@ -513,8 +516,9 @@ class MTPDriver:
             n += write_heads(path, st, self.n_embd)
         return len(st.tokens), n
 
-    def restore_cache(self, seq_id: int, path: Path) -> tuple[int, int]:
-        """Slot files back into slot ``seq_id``. (tokens, bytes read)."""
+    def restore_cache(self, seq_id: int, path: Path, adapter: tuple[float, ...] = ()) -> tuple[int, int]:
+        """Slot files back into slot ``seq_id``, for requests with these LoRA scales
+        (a file does not say which it was computed with). (tokens, bytes read)."""
         self.release(seq_id)
         try:
             tokens = self.target.load_seq_file(path, seq_id, self.n_ctx_seq)
@@ -523,6 +527,7 @@ class MTPDriver:
             if self._live() or heads_path(path).is_file():
                 st, size = read_heads(path, tokens, self.n_heads, need_heads=bool(self._live()))
                 n += size
+            st.adapter = adapter
             self.load(seq_id, st)
         except BaseException:
             self.release(seq_id)
@@ -558,9 +563,11 @@ class MTPDriver:
             return self.host.put(self.export(seq_id))
         return False
 
-    def cached_tokens(self, seq_id: int) -> list[int]:
+    def cached_tokens(self, seq_id: int, adapter: tuple[float, ...] | None = None) -> list[int]:
+        """What slot ``seq_id`` holds; none of it for a request with other LoRA scales
+        (``adapter``; None: whatever they were)."""
         c = self.cache[seq_id]
-        return c.tokens if c is not None else []
+        return c.tokens if c is not None and (adapter is None or c.adapter == adapter) else []
 
     def release(self, seq_id: int) -> None:
         """Forget a sequence's KV in both contexts (every head's), and its cache."""

@@ -49,6 +49,8 @@ class SlotState:
     anchors: tuple[int, np.ndarray, np.ndarray] | None
     #: a trimmed sliding-window cache: the context checkpoints (MTPDriver's)
     checkpoints: list[Checkpoint] = field(default_factory=list)
+    #: the LoRA scales its KV was computed with (SeqState.adapter)
+    adapter: tuple[float, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +76,7 @@ class HostPromptCache:
         if self.budget is not None and st.nbytes > self.budget:
             return False
         for key, old in list(self._items.items()):
-            if old.tokens == st.tokens[: len(old.tokens)]:
+            if old.adapter == st.adapter and old.tokens == st.tokens[: len(old.tokens)]:
                 self._drop(key)
         while self.budget is not None and self.nbytes + st.nbytes > self.budget and self._items:
             self._drop(next(iter(self._items)))
@@ -83,12 +85,14 @@ class HostPromptCache:
         self.nbytes += st.nbytes
         return True
 
-    def best(self, prompt: list[int], common_prefix: Callable[[list[int], list[int]], int]) -> tuple[int, int]:
+    def best(self, prompt: list[int], common_prefix: Callable[[list[int], list[int]], int],
+             adapter: tuple[float, ...] = ()) -> tuple[int, int]:
         """The key of the kept prompt sharing the longest prefix with ``prompt``, and
-        that length (-1, 0 when none)."""
+        that length (-1, 0 when none); only prompts computed with the LoRA scales
+        ``adapter`` count."""
         key, best = -1, 0
         for k, st in self._items.items():
-            n = common_prefix(st.tokens, prompt)
+            n = common_prefix(st.tokens, prompt) if st.adapter == adapter else 0
             if n > best:
                 key, best = k, n
         return key, best

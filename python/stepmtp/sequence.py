@@ -183,6 +183,8 @@ class SeqState:
     #: a chat prompt's tokens before its latest user message (0: unknown): its decodes
     #: stop there, and a context checkpoint is made there, as llama-server's
     n_before_user: int = 0
+    #: the LoRA scales its KV is computed with (adapters.Adapters.key; () without adapters)
+    adapter: tuple[float, ...] = ()
     #: debug mode: every trunk hidden row the target produced, by position
     h_log: dict[int, np.ndarray] | None = None
     #: debug mode: one RoundTrace per round

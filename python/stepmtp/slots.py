@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
 from .llama import KVFullError, LlamaError
 from .mtp import MTPDriver, RoundTrace, SeqState, common_prefix
@@ -31,6 +31,7 @@ from .sampling import Sampler, SamplingParams, TokenProbs
 from .stats import GenStats
 
 if TYPE_CHECKING:
+    from .adapters import Adapters
     from .grammar import ConstraintState
     from .llama import Model
 
@@ -148,8 +149,12 @@ class Request:
                  params: SamplingParams, rejection: bool, cache_prompt: bool = True,
                  n_probs: int = 0, post_probs: bool = False, preserved: frozenset[int] = frozenset(),
                  constraint: "ConstraintState | None" = None, mask_drafts: bool = True,
-                 return_progress: bool = False, pool_key: object = None) -> None:
+                 return_progress: bool = False, pool_key: object = None,
+                 lora: "Mapping[int, float] | None" = None) -> None:
         self.id = next(_task_ids)
+        #: its own LoRA scales, adapter id -> scale (llama-server's request ``lora``;
+        #: None: the engine's at submission)
+        self.lora = lora
         #: report prompt processing as it goes (a progress chunk per prompt decode)
         self.return_progress = return_progress
         self._t_prompt = 0.0
@@ -296,8 +301,12 @@ class Slots:
     """``n`` slots over one driver; see the module's docstring. ``step`` and ``drop``
     must be called with the engine's lock held; ``submit`` from any thread."""
 
-    def __init__(self, driver: MTPDriver, model: "Model", n: int, *, similarity: float = 0.1) -> None:
+    def __init__(self, driver: MTPDriver, model: "Model", n: int, *, similarity: float = 0.1,
+                 adapters: "Adapters | None" = None) -> None:
         self.driver = driver
+        #: LoRA adapters: slots with other scales decode in separate rounds (a decode
+        #: computes every row with the context's one set)
+        self.adapters = adapters if adapters else None
         self.model = model
         self.n = n
         self.slots: list[Request | None] = [None] * n
@@ -321,6 +330,8 @@ class Slots:
             req.stop_type = "limit"
             req._finish([])
             return
+        if self.adapters is not None:
+            req.state.adapter = self.adapters.key(req.lora)
         with self._lock:
             self.waiting.append(req)
 
@@ -345,6 +356,48 @@ class Slots:
         self._admit()
         drv = self.driver
         running = [r for r in self.slots if r is not None and not r.state.prefilling and not r.paused]
+        by_adapter: dict[tuple[float, ...], list[Request]] = {}
+        for r in running:
+            by_adapter.setdefault(r.state.adapter, []).append(r)
+        for key, group in by_adapter.items():
+            self._use(key)
+            self._round(group)
+        prefilling = [r for r in self.slots if r is not None and r.state.prefilling]
+        if prefilling:
+            k = self._next_prefill % len(prefilling)
+            self._next_prefill += 1
+            # every prompt's next chunk while they fit one batch, as llama-server fills
+            # its batch: requests that arrive together start generating together (one
+            # by one, each started a step later and the slots drafted and ended out of
+            # step, rounds of fewer rows than plain decoding's). Chunks share a decode
+            # where each row keeps the bits it has decoded alone (``shared_prefills``):
+            # a prompt's must be its own; and with the first's LoRA scales
+            order = prefilling[k:] + prefilling[:k]
+            order = [r for r in order if r.state.adapter == order[0].state.adapter]
+            self._use(order[0].state.adapter)
+            budget, chosen = drv.target.n_batch, []
+            for i, r in enumerate(order):
+                size = drv.chunk_size(r.state)
+                if i and size > budget:
+                    break
+                budget -= size
+                chosen.append(r)
+            by_state = {id(r.state): r for r in chosen}
+            for group in drv.shared_prefills([r.state for r in chosen]):
+                reqs = [by_state[id(st)] for st in group]
+                if len(reqs) == 1 or not self._prefill_together(reqs):
+                    for r in reqs:
+                        self._prefill_one(r)
+        self._release_finished()
+
+    def _use(self, adapter: tuple[float, ...]) -> None:
+        """The target decodes with these LoRA scales from now on."""
+        if self.adapters is not None:
+            self.adapters.apply(self.driver.target, adapter)
+
+    def _round(self, running: list[Request]) -> None:
+        """One MTP round for these generating slots, together."""
+        drv = self.driver
         if running:
             for r in running:
                 # tokens still wanted: drafts past them are rows verified for nothing
@@ -366,30 +419,6 @@ class Slots:
                     self._no_room(r, len(stuck))
                 else:
                     r.feed(out, self.model, drv.n_ctx_seq)
-        prefilling = [r for r in self.slots if r is not None and r.state.prefilling]
-        if prefilling:
-            k = self._next_prefill % len(prefilling)
-            self._next_prefill += 1
-            # every prompt's next chunk while they fit one batch, as llama-server fills
-            # its batch: requests that arrive together start generating together (one
-            # by one, each started a step later and the slots drafted and ended out of
-            # step, rounds of fewer rows than plain decoding's). Chunks share a decode
-            # where each row keeps the bits it has decoded alone (``shared_prefills``):
-            # a prompt's must be its own
-            budget, chosen = drv.target.n_batch, []
-            for i, r in enumerate(prefilling[k:] + prefilling[:k]):
-                size = drv.chunk_size(r.state)
-                if i and size > budget:
-                    break
-                budget -= size
-                chosen.append(r)
-            by_state = {id(r.state): r for r in chosen}
-            for group in drv.shared_prefills([r.state for r in chosen]):
-                reqs = [by_state[id(st)] for st in group]
-                if len(reqs) == 1 or not self._prefill_together(reqs):
-                    for r in reqs:
-                        self._prefill_one(r)
-        self._release_finished()
 
     def _prefill_together(self, reqs: list[Request]) -> bool:
         """The next chunks of ``reqs``' prompts in one decode; False when the cache had no
@@ -482,7 +511,7 @@ class Slots:
         if req.cache_prompt:
             best, n_best = -1, 0
             for i in free:
-                n = common_prefix(self.driver.cached_tokens(i), req.prompt_tokens)
+                n = common_prefix(self.driver.cached_tokens(i, req.state.adapter), req.prompt_tokens)
                 if n > n_best:
                     best, n_best = i, n
             if best >= 0 and n_best > self.similarity * len(req.prompt_tokens):

@@ -554,6 +554,61 @@ def write_tiny_models(out_dir: str | Path, seed: int = 0, cfg: TinyConfig = CONF
 
 
 # ---------------------------------------------------------------------------
+# adapters for the tiny model (llama-server's --lora, --control-vector)
+# ---------------------------------------------------------------------------
+
+#: the tensors ``write_tiny_lora`` adapts by default: attention and the output of the
+#: trunk, and a dense FFN (2-D weights; the experts' 3-D ones take no plain pair)
+LORA_TARGETS = ("blk.1.attn_q.weight", "blk.2.attn_output.weight", "blk.0.ffn_up.weight", "output.weight")
+
+
+def write_tiny_lora(path: str | Path, cfg: TinyConfig = CONFIG, seed: int = 1, *, rank: int = 4,
+                    alpha: float = 8.0, gain: float = 1.0, targets: Sequence[str] = LORA_TARGETS,
+                    arch: str = ARCH) -> Path:
+    """A LoRA adapter GGUF for the tiny model, as llama.cpp's converter writes one:
+    ``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``, and for
+    each adapted tensor ``<name>.lora_a`` (ggml {n_in, rank}) and ``<name>.lora_b``
+    ({rank, n_out}); the product B A is added to the weight, times scale * alpha / rank.
+    ``gain`` scales B (the adapter's strength); ``arch``: another architecture makes a
+    file llama.cpp refuses for this model."""
+    shapes = {name: arr.shape for name, arr in make_tensors(cfg, seed=0).items()}
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for name in targets:
+        n_out, n_in = shapes[name]
+        a = rng.standard_normal((rank, n_in)) / math.sqrt(n_in)
+        b = rng.standard_normal((n_out, rank)) * (gain / math.sqrt(rank))
+        w.add_tensor(name + ".lora_a", a.astype(np.float32))
+        w.add_tensor(name + ".lora_b", b.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def write_tiny_control_vector(path: str | Path, cfg: TinyConfig = CONFIG, seed: int = 2, *,
+                              layers: Sequence[int] = (1, 2, 3), gain: float = 1.0) -> Path:
+    """A control vector GGUF for the tiny model, as llama.cpp's cvector-generator writes
+    one: a one-dimensional F32 ``direction.<layer>`` of n_embd values per layer (1 or
+    more: llama.cpp adds them after those layers)."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "controlvector")
+    w.add_string("controlvector.model_hint", ARCH)
+    w.add_uint32("controlvector.layer_count", len(layers))
+    for il in layers:
+        w.add_tensor(f"direction.{il}", (gain * rng.standard_normal(cfg.n_embd)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------
 # a model whose drafts are (partly) right
 # ---------------------------------------------------------------------------
 

@@ -66,6 +66,8 @@ class Settings:
     post_sampling_probs: bool = False
     chat_format: str = "Content-only"
     reasoning_format: str = "none"
+    #: the request's own LoRA scales (id -> scale; empty: the server's)
+    lora: dict[int, float] = field(default_factory=dict)
 
 
 def generation_settings(s: Settings) -> dict[str, Any]:
@@ -123,7 +125,7 @@ def generation_settings(s: Settings) -> dict[str, Any]:
         "timings_per_token": False,
         "post_sampling_probs": s.post_sampling_probs,
         "backend_sampling": False,
-        "lora": [],
+        "lora": [{"id": i, "scale": x} for i, x in sorted(s.lora.items())],
     }
 
 

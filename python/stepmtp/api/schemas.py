@@ -155,6 +155,10 @@ class GenerationFields(_Request):
     dry_multiplier: float = 0.0
     grammar: Optional[str] = None
     json_schema: Optional[Any] = None
+    #: llama-server's LoRA scales for this request: [{"id": N, "scale": S}, ...]; the
+    #: adapters it does not name are off (an empty list or none: the server's scales)
+    lora: Annotated[Any, WithJsonSchema({"anyOf": [{"type": "array", "items": {"type": "object"}},
+                                                   {"type": "null"}]})] = None
 
     @field_validator("stop", mode="after")
     @classmethod

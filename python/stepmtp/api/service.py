@@ -68,13 +68,15 @@ class GenRequest:
     #: the pool of earlier requests' tokens its context drafting reads (the server's:
     #: one per API key, ``POOL``)
     pool: Any = field(default_factory=lambda: POOL.get())
+    #: its own LoRA scales, adapter id -> scale (None: the engine's)
+    lora: dict[int, float] | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keywords of ``Engine.submit`` / ``Engine.stream`` that run it (after the prompt)."""
         return dict(n_predict=self.n_predict, stop=self.stop, sampling=self.sampling, cache_prompt=self.cache_prompt,
                     n_probs=self.n_probs, post_sampling_probs=self.post_probs, preserve_tokens=self.preserved,
                     grammar=self.grammar, return_progress=self.return_progress, n_before_user=self.n_before_user,
-                    reasoning_budget=self.reasoning_budget, pool=self.pool)
+                    reasoning_budget=self.reasoning_budget, pool=self.pool, lora=self.lora)
 
 
 @dataclass
@@ -164,6 +166,14 @@ class API:
         n_predict = req.requested_n_predict()
         n_predict = cfg.n_predict if n_predict is None else n_predict
         sampling, seed_shown = self.resolve_sampling(req, ignore_eos)
+        lora = None
+        if req.lora is not None:
+            from ..adapters import parse_lora
+
+            try:
+                lora = parse_lora(req.lora) or None  # llama-server: an empty list is the server's scales
+            except ValueError as e:
+                raise bad_request(str(e)) from None
         for toks in prompts:
             if not toks:
                 raise bad_request("the prompt is empty")
@@ -174,7 +184,8 @@ class API:
                                n_prompt_tokens=len(toks), n_ctx=eng.n_ctx)
         gens = [GenRequest(list(toks), n_predict, stop, sampling, stream, cache_prompt,
                            n_probs, req.post_sampling_probs, grammar=constraint,
-                           return_progress=stream and req.return_progress, preserved=self.special)
+                           return_progress=stream and req.return_progress, preserved=self.special,
+                           lora=lora)
                 for toks in prompts for _ in range(n_cmpl)]
         sp = self.spec
         settings = F.Settings(
@@ -182,7 +193,7 @@ class API:
             ignore_eos=ignore_eos, logit_bias=[(t, None if b == float("-inf") else b)
                                                    for t, b in sampling.logit_bias.items()],
             spec_type=sp.spec_type, n_max=sp.n_max, n_min=sp.n_min, p_min=sp.p_min, mtp_mode=sp.mtp_mode,
-            n_probs=n_probs, post_sampling_probs=req.post_sampling_probs,
+            n_probs=n_probs, post_sampling_probs=req.post_sampling_probs, lora=lora or {},
         )
         return gens, settings
 

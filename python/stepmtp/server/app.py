@@ -12,6 +12,7 @@ answers, and one router per API family (``routes``).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from contextlib import asynccontextmanager
@@ -52,9 +53,12 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
 
             anyio.to_thread.current_default_thread_limiter().total_tokens = cfg.threads_http
         threading.Thread(target=st.load, name="stepmtp-load", daemon=True).start()
+        sleeper = asyncio.create_task(_sleep_when_idle(st)) if cfg.sleep_idle_seconds > 0 else None
         try:
             yield
         finally:
+            if sleeper is not None:
+                sleeper.cancel()
             await run_in_threadpool(st.close)
 
     app = FastAPI(
@@ -77,6 +81,20 @@ def create_app(cfg: ServerConfig, *, engine_factory: Callable[[Path], Engine] | 
         app.include_router(family.router)
     _request_schemas(app)
     return app
+
+
+async def _sleep_when_idle(st: ServerState) -> None:
+    """--sleep-idle-seconds: free the engine once no request has needed it for that long."""
+    n = st.cfg.sleep_idle_seconds
+    while True:
+        await asyncio.sleep(min(1.0, n / 4))
+        if st.ready.is_set() and not st.sleeping and st.engine is not None and st.idle_for() >= n:
+            try:
+                # what GET /props and /v1/models answer while asleep, taken while the engine is here
+                st.asleep_bodies = {"/props": await admin.props_body(st), "/v1/models": openai.models_body(st)}
+            except Exception:  # noqa: BLE001 - a request took the engine meanwhile: not idle after all
+                continue
+            await run_in_threadpool(st.sleep, n)
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -194,6 +194,14 @@ class ServerConfig(RequestDefaults):
     context_params: dict[str, Any] = field(default_factory=dict)
     #: --kv-unified-per-slot (0: unset)
     kv_unified_per_slot: int = 0
+    #: --lora / --lora-scaled: (path, scale) per adapter, ids in this order
+    lora: list[tuple[str, float]] = field(default_factory=list)
+    lora_init_without_apply: bool = False
+    #: --control-vector / --control-vector-scaled, --control-vector-layer-range
+    control_vectors: list[tuple[str, float]] = field(default_factory=list)
+    control_vector_layers: tuple[int, int] | None = None
+    #: --sleep-idle-seconds: the model is freed after this long without a request (-1: never)
+    sleep_idle_seconds: int = -1
     #: -C / -Cr: the CPUs the process runs on (None: as started); --prio: its priority
     cpus: frozenset[int] | None = None
     prio: int = 0
@@ -308,6 +316,10 @@ class ServerConfig(RequestDefaults):
             numa=self.numa,
             model_params=self.model_params or None,
             context_params=self.context_params or None,
+            lora=self.lora,
+            lora_init_without_apply=self.lora_init_without_apply,
+            control_vectors=self.control_vectors,
+            control_vector_layers=self.control_vector_layers,
             **self._placement_kw(),
         )
 

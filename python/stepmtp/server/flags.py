@@ -113,15 +113,15 @@ ACCEPTED: tuple[Compat, ...] = (
                                  "adjusted beyond it", "LLAMA_ARG_FIT"),
     _c("-fitt --fit-target", "MiB0,MiB1,MiB2,...", "no --fit pass here (see --fit)", "LLAMA_ARG_FIT_TARGET"),
     _c("-fitc --fit-ctx", "N", "no --fit pass here (see --fit)", "LLAMA_ARG_FIT_CTX"),
-    _c("--lora-init-without-apply", None, "no LoRA adapters here (--lora is refused)"),
-    _c("--control-vector-layer-range", "START END", "no control vectors here (--control-vector is refused)"),
-    _c("--sleep-idle-seconds", "SECONDS", "not implemented: the model stays loaded while the server is idle"),
     _c("--no-ui-mcp-proxy --no-webui-mcp-proxy", None, "no MCP proxy here, always"),
     _c("-no-ag --no-agent", None, "no built-in agent here, always"),
     _c("--models-max", "N", _ONE_MODEL, "LLAMA_ARG_MODELS_MAX"),
     _c("--models-autoload --no-models-autoload", None, _ONE_MODEL, "LLAMA_ARG_MODELS_AUTOLOAD"),
-    _c("--cache-reuse", "N", "not implemented: a prompt reuses its slot's cached prefix (and --cache-ram's), "
-                             "not chunks found after a change by KV shifting", "LLAMA_ARG_CACHE_REUSE"),
+    _c("--cache-reuse", "N", "no KV shifting for Step-3.5: llama.cpp's llama_memory_can_shift is false for step35 "
+                             "(per-layer RoPE dimensions), so llama-server ignores it for this model too; here a "
+                             "cell's index also follows its position (patches 0008, 0014, 0018) and a shifted key "
+                             "is rotated again, not the bits a fresh decode gives. A prompt reuses its cached "
+                             "prefix (and --cache-ram's)", "LLAMA_ARG_CACHE_REUSE"),
     _c("--log-prompts-dir", "PATH", "a debugging aid of llama-server's: prompts are not written to files here"),
     _c("--spec-draft-p-split --draft-p-split", "P", "the heads draft one chain: there is no draft tree to split",
        "LLAMA_ARG_SPEC_DRAFT_P_SPLIT"),
@@ -135,10 +135,6 @@ REFUSED: tuple[Compat, ...] = (
                                 "(llama-server's default, --no-context-shift)", "LLAMA_ARG_CONTEXT_SHIFT"),
     _c("--embedding --embeddings", None, _NO_EMBED, "LLAMA_ARG_EMBEDDINGS"),
     _c("--rerank --reranking", None, _NO_EMBED, "LLAMA_ARG_RERANKING"),
-    _c("--lora", "FNAME", "LoRA adapters are not applied by this server"),
-    _c("--lora-scaled", "FNAME:SCALE,...", "LoRA adapters are not applied by this server"),
-    _c("--control-vector", "FNAME", "control vectors are not applied by this server"),
-    _c("--control-vector-scaled", "FNAME:SCALE,...", "control vectors are not applied by this server"),
     _c("-dr --docker-repo", "[<repo>/]<model>[:quant]",
        "models from Docker Hub are not fetched here: use -hf, -mu or -m", "LLAMA_ARG_DOCKER_REPO"),
     _c("--ui-mcp-proxy --webui-mcp-proxy", None, _NO_TOOLS, "LLAMA_ARG_UI_MCP_PROXY"),
@@ -258,6 +254,33 @@ def _kv_override(v: str) -> list[tuple[str, str, Any]]:
             raise argparse.ArgumentTypeError(f"Invalid type for KV override: {item}") from None
         out.append((key, kind, parsed))
     return out
+
+
+def _files(v: str) -> list[tuple[str, float]]:
+    """--lora / --control-vector: FNAME,... (scale 1 each)."""
+    return [(f, 1.0) for f in v.split(",") if f]
+
+
+def _scaled_files(v: str) -> list[tuple[str, float]]:
+    """--lora-scaled / --control-vector-scaled: FNAME:SCALE,..., as llama.cpp reads them
+    (exactly one colon per item)."""
+    out = []
+    for item in (x for x in v.split(",") if x):
+        parts = item.split(":")
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            out.append((parts[0], float(parts[1])))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected FNAME:SCALE, got {item!r}") from None
+    return out
+
+
+def _sleep_seconds(v: str) -> int:
+    n = int(v)
+    if n == 0 or n < -1:
+        raise argparse.ArgumentTypeError("invalid value: cannot be 0 or less than -1")
+    return n
 
 
 def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
@@ -409,6 +432,26 @@ def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
         env="LLAMA_ARG_KV_UNIFIED_PER_SLOT",
         help="without -c, the shared KV cache is sized to slots x N (a slot is not stopped at N tokens)")
 
+    g = ap.add_argument_group("adapters (on the target: the heads draft, the target verifies with them)")
+    # one list for both spellings: an adapter's id is its place on the command line
+    add(g, "--lora", metavar="FNAME", dest="lora", type=_files, action="append", default=[],
+        help="a LoRA adapter (comma-separated: several), scale 1")
+    add(g, "--lora-scaled", metavar="FNAME:SCALE,...", dest="lora", type=_scaled_files, action="append",
+        help="a LoRA adapter with its scale (comma-separated: several)")
+    add(g, "--lora-init-without-apply", dest="lora_init_without_apply", action="store_true",
+        help="load the LoRA adapters with scale 0: POST /lora-adapters or a request's lora turns them on")
+    add(g, "--control-vector", metavar="FNAME", dest="control_vectors", type=_files, action="append", default=[],
+        help="a control vector (comma-separated: several, added together)")
+    add(g, "--control-vector-scaled", metavar="FNAME:SCALE,...", dest="control_vectors", type=_scaled_files,
+        action="append", help="a control vector times SCALE (comma-separated: several)")
+    add(g, "--control-vector-layer-range", metavar=("START", "END"), nargs=2, dest="control_vector_layers",
+        type=cli._int, help="the layers the control vectors are added to, inclusive (default: all)")
+
+    g = ap.add_argument_group("sleeping")
+    add(g, "--sleep-idle-seconds", metavar="SECONDS", dest="sleep_idle_seconds", type=_sleep_seconds, default=-1,
+        help="after this many seconds without a request the model is freed, and loaded again for the next "
+             "one; /health, /props, /metrics and /v1/models answer meanwhile (default: -1, never)")
+
     g = ap.add_argument_group("CPU placement (the process's: threads inherit it)")
     add(g, "-C", "--cpu-mask", metavar="M", dest="cpu_mask", type=lambda v: _cpus(v, mask=True),
         help="CPU affinity mask, arbitrarily long hex; with -Cr, the CPUs of both (default: all)")
@@ -509,6 +552,10 @@ def llama_config(a: argparse.Namespace) -> dict[str, Any]:
         context_params["offload_kqv"] = False
     if not a.op_offload:
         context_params["op_offload"] = False
+    for flag, items in (("--lora", a.lora), ("--control-vector", a.control_vectors)):
+        for f, _ in (x for group in items for x in group):
+            if not os.path.isfile(f):
+                raise ArgError(f"{flag}: no such file: {f}")
     cpus = None
     if a.cpu_mask is not None or a.cpu_range is not None:
         cpus = (a.cpu_mask or frozenset()) | (a.cpu_range or frozenset())
@@ -526,4 +573,8 @@ def llama_config(a: argparse.Namespace) -> dict[str, Any]:
                       verbosity=a.verbosity, prefix=a.log_prefix, timestamps=a.log_timestamps),
         model_params=model_params, context_params=context_params, kv_unified_per_slot=a.kv_unified_per_slot,
         cpus=cpus, prio=a.prio,
+        lora=[x for group in a.lora for x in group], lora_init_without_apply=a.lora_init_without_apply,
+        control_vectors=[x for group in a.control_vectors for x in group],
+        control_vector_layers=tuple(a.control_vector_layers) if a.control_vector_layers else None,
+        sleep_idle_seconds=a.sleep_idle_seconds,
     )

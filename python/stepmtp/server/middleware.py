@@ -12,9 +12,10 @@ import os
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..api.errors import error_body
+from ..api.errors import APIError, error_body
 from ..api.service import POOL
 from .config import Cors
 from .state import ServerState
@@ -29,6 +30,9 @@ UI_ASSETS = {"/sw.js": "application/javascript", "/manifest.webmanifest": "appli
              "/_app/version.json": "application/json"}
 #: reachable while the model loads
 LOADING_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+#: GET routes that answer while the server sleeps (--sleep-idle-seconds) without waking
+#: it, as llama-server's; the chat page's files and the docs too
+ASLEEP_PATHS = frozenset({"/health", "/v1/health", "/props", "/metrics", "/models", "/v1/models", "/"})
 
 
 
@@ -61,7 +65,22 @@ class GateMiddleware:
                 return
             # one context-drafting pool per key (its digest: the key itself is kept nowhere)
             POOL.set(hashlib.sha256(key.encode()).hexdigest()[:16])
-        await self.app(scope, receive, send)
+        st = self.state
+        if st.cfg.sleep_idle_seconds <= 0 or (scope.get("method") == "GET" and (
+                path in ASLEEP_PATHS or path in UI_ASSETS or path in LOADING_PATHS)):
+            await self.app(scope, receive, send)
+            return
+        # a request that needs the engine: it wakes the server (the model loads again
+        # first) and keeps it awake until its response is sent
+        try:
+            await run_in_threadpool(st.enter)
+        except APIError as e:
+            await JSONResponse(e.body(), status_code=e.code)(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            st.leave()
 
 
 class HeadersMiddleware:

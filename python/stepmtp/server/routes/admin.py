@@ -67,6 +67,14 @@ async def health(request: Request) -> Any:
 @router.get("/props", tags=["server"], summary="Server properties, as llama-server's")
 async def props(request: Request) -> dict[str, Any]:
     st = service(request).state
+    asleep = st.asleep_bodies.get("/props") if st.sleeping else None
+    if asleep is not None:  # llama-server's cached properties, without waking the server
+        return {**asleep, "is_sleeping": True}
+    return await props_body(st)
+
+
+async def props_body(st: Any) -> dict[str, Any]:
+    """GET /props' answer (the engine loaded)."""
     cfg = st.cfg
     eng = st.need_engine()
     m = eng.model
@@ -206,6 +214,32 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         raise APIError(str(e), "unavailable_error") from None
     except ValueError as e:
         raise bad_request(str(e)) from None
+
+
+@router.get("/lora-adapters", tags=["server"], summary="The LoRA adapters and their scales, as llama-server's")
+async def lora_adapters(request: Request) -> Any:
+    return service(request).state.need_engine().adapters.describe()
+
+
+@router.post("/lora-adapters", tags=["server"],
+             summary="Set the LoRA scales of requests that give none: [{\"id\": N, \"scale\": S}, ...]")
+async def set_lora_adapters(request: Request) -> Any:
+    from ...adapters import parse_lora
+
+    raw = await read_body(request)
+    eng = service(request).state.need_engine()
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError:
+        raise bad_request("Request body must be valid JSON") from None
+    if not isinstance(body, list):
+        raise bad_request("Request body must be an array")
+    try:
+        lora = parse_lora(body)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    await run_in_threadpool(eng.set_lora, lora)  # waits for the round in progress
+    return {"success": True}
 
 
 @router.get("/metrics", tags=["server"], response_class=PlainTextResponse,

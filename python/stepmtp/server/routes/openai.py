@@ -25,6 +25,12 @@ _VOCAB_TYPES = {"llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv": 5, "plamo2": 
 @router.get("/v1/models", tags=["openai"], summary="The model served (OpenAI's list)")
 async def models(request: Request) -> dict[str, Any]:
     st = service(request).state
+    asleep = st.asleep_bodies.get("/v1/models") if st.sleeping else None
+    return asleep if asleep is not None else models_body(st)
+
+
+def models_body(st: Any) -> dict[str, Any]:
+    """GET /v1/models' answer (the engine loaded)."""
     cfg = st.cfg
     eng = st.need_engine()
     m = eng.model
