@@ -320,6 +320,34 @@ def test_return_progress(client, direct, route):
         assert not any("prompt_progress" in e for e in sse_events(r.iter_lines()) if e != "[DONE]")
 
 
+@pytest.mark.parametrize("route", ["/completion", "/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_timings_per_token(client, route):
+    """stream + timings_per_token: every chunk with text carries the timings so far
+    (predicted_n counting up), as llama-server's; without it, none does."""
+    body = ({"messages": [{"role": "user", "content": PROMPT}]} if "chat" in route else
+            {"input": PROMPT} if "responses" in route else {"prompt": PROMPT})
+    body.update(max_tokens=6, n_predict=6, max_output_tokens=6, temperature=0, stream=True, timings_per_token=True)
+    def data(r):  # the Responses stream names its events: its data lines alone
+        return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+
+    with client.stream("POST", route, json=body) as r:
+        events = data(r)
+
+    def has_text(e):
+        return bool(e.get("content") or e.get("delta") or
+                    ((e.get("choices") or [{}])[0].get("text")) or ((e.get("choices") or [{}])[0].get("delta") or {}).get("content"))
+
+    timed = [e["timings"] for e in events if "timings" in e and has_text(e)]
+    assert timed and all("predicted_per_second" in t and "prompt_per_second" in t for t in timed)
+    counts = [t["predicted_n"] for t in timed]
+    assert counts == sorted(counts) and counts[-1] <= 6
+    if "responses" in route:
+        assert "timings" in next(e for e in events if e.get("type") == "response.completed")
+    body["timings_per_token"] = False
+    with client.stream("POST", route, json=body) as r:
+        assert not any("timings" in e and has_text(e) for e in data(r))
+
+
 def test_stop_word(client, direct):
     full = direct["completion"].text
     word = full[10:13]

@@ -68,6 +68,8 @@ class Settings:
     reasoning_format: str = "none"
     #: the request's own LoRA scales (id -> scale; empty: the server's)
     lora: dict[int, float] = field(default_factory=dict)
+    #: every streamed chunk carries the timings so far (llama-server's timings_per_token)
+    timings_per_token: bool = False
 
 
 def generation_settings(s: Settings) -> dict[str, Any]:
@@ -122,7 +124,7 @@ def generation_settings(s: Settings) -> dict[str, Any]:
         "speculative.n_min": s.n_min,
         "speculative.p_min": s.p_min,
         "speculative.mtp_mode": s.mtp_mode if "draft-mtp" in s.spec_type else "none",
-        "timings_per_token": False,
+        "timings_per_token": s.timings_per_token,
         "post_sampling_probs": s.post_sampling_probs,
         "backend_sampling": False,
         "lora": [{"id": i, "scale": x} for i, x in sorted(s.lora.items())],
@@ -183,6 +185,13 @@ class ResultInfo:
     created: int = 0
     #: token id -> its bytes (for token probabilities)
     piece: Callable[[int], bytes] | None = None
+
+
+def chunk_timings(res: dict[str, Any], ch: Any, info: "ResultInfo") -> dict[str, Any]:
+    """``res`` with the timings so far when the request asked for them per token."""
+    if info.settings.timings_per_token and getattr(ch, "stats", None) is not None:
+        res["timings"] = timings(ch.stats, ch.stats.n_predicted)
+    return res
 
 
 def n_decoded(c: Completion) -> int:

@@ -131,8 +131,8 @@ class GenerationFields(_Request):
     return_tokens: bool = False
     #: stream: prompt_progress reports while the prompt is decoded (llama-server's)
     return_progress: bool = False
-    # accepted, no effect here
     cache_prompt: bool = True
+    #: stream: every chunk carries the timings so far (llama-server's)
     timings_per_token: bool = False
     id_slot: Int = -1
     #: report each token's probability and the n most likely tokens' (completion_probabilities)

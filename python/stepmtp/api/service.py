@@ -194,6 +194,7 @@ class API:
                                                    for t, b in sampling.logit_bias.items()],
             spec_type=sp.spec_type, n_max=sp.n_max, n_min=sp.n_min, p_min=sp.p_min, mtp_mode=sp.mtp_mode,
             n_probs=n_probs, post_sampling_probs=req.post_sampling_probs, lora=lora or {},
+            timings_per_token=stream and req.timings_per_token,
         )
         return gens, settings
 
@@ -364,7 +365,7 @@ class ChatChunks:
         for i, d in enumerate(self._deltas(ch.text)):
             probs = self.held[:] if i == 0 else []
             self.held.clear()
-            out.append(F.oai_chat_chunk(d, self.info, probs=probs))
+            out.append(F.chunk_timings(F.oai_chat_chunk(d, self.info, probs=probs), ch, self.info))
         return out
 
     def done(self, c: Completion) -> list[dict[str, Any]]:
@@ -394,7 +395,7 @@ class CompletionChunks:
             return []
         probs = self.held[:]
         self.held.clear()
-        return [F.oai_completion_chunk(ch.text, self.info, probs=probs)]
+        return [F.chunk_timings(F.oai_completion_chunk(ch.text, self.info, probs=probs), ch, self.info)]
 
     def done(self, c: Completion) -> list[dict[str, Any]]:
         return [F.oai_completion_final_chunk(c, self.info)]

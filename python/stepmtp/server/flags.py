@@ -445,7 +445,7 @@ def add_llama_flags(ap: argparse.ArgumentParser, add: Any) -> None:
     add(g, "--control-vector-scaled", metavar="FNAME:SCALE,...", dest="control_vectors", type=_scaled_files,
         action="append", help="a control vector times SCALE (comma-separated: several)")
     add(g, "--control-vector-layer-range", metavar=("START", "END"), nargs=2, dest="control_vector_layers",
-        type=cli._int, help="the layers the control vectors are added to, inclusive (default: all)")
+        type=_int, help="the layers the control vectors are added to, inclusive (default: all)")
 
     g = ap.add_argument_group("sleeping")
     add(g, "--sleep-idle-seconds", metavar="SECONDS", dest="sleep_idle_seconds", type=_sleep_seconds, default=-1,

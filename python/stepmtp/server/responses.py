@@ -280,6 +280,9 @@ class Events:
         self.open: dict[str, Any] | None = None  # the item being written, as output_item.added showed it
         self.acc = ""  # its text (reasoning, message) or arguments (a call) so far
         self.started = False
+        #: the timings so far, put on the text's delta events (timings_per_token); the
+        #: caller sets them, and the completed event then carries the final ones
+        self.timings: dict[str, Any] | None = None
 
     def _sse(self, event: str, data: dict[str, Any]) -> str:
         out = sse(event, {"type": event, **data, "sequence_number": self.seq})
@@ -293,6 +296,17 @@ class Events:
         head = _response(self.id, self.model, self.created, "in_progress", [], None)
         return [self._sse("response.created", {"response": head}),
                 self._sse("response.in_progress", {"response": head})]
+
+    def progress(self, p: dict[str, int]) -> list[str]:
+        """A prompt-progress report (return_progress), on a response.in_progress event as
+        llama-server sends it."""
+        out = self.start()
+        head = _response(self.id, self.model, self.created, "in_progress", [], None)
+        out.append(self._sse("response.in_progress", {"response": head, "prompt_progress": p}))
+        return out
+
+    def _timed(self, data: dict[str, Any]) -> dict[str, Any]:
+        return {**data, "timings": self.timings} if self.timings is not None else data
 
     def _where(self) -> dict[str, Any]:
         assert self.open is not None
@@ -334,13 +348,13 @@ class Events:
                 out += self._begin(_reasoning_item(F.random_id("rs_"), "", "in_progress"))
             self.acc += d.reasoning
             out.append(self._sse("response.reasoning_text.delta",
-                                 {**self._where(), "content_index": 0, "delta": d.reasoning}))
+                                 self._timed({**self._where(), "content_index": 0, "delta": d.reasoning})))
         if d.content:
             if self.open is None or self.open["type"] != "message":
                 out += self._begin(_message_item(F.random_id("msg_"), None, "in_progress"))
             self.acc += d.content
             out.append(self._sse("response.output_text.delta",
-                                 {**self._where(), "content_index": 0, "delta": d.content}))
+                                 self._timed({**self._where(), "content_index": 0, "delta": d.content})))
         for c in d.tool_calls:
             if c.id is not None:
                 out += self._begin(_call_item(c.id, c.name or "", "", "in_progress"))
@@ -353,5 +367,8 @@ class Events:
         # ``message`` (the parsed whole) is not needed: the items were built from the deltas
         out = self.start() + self._close()
         done = _response(self.id, self.model, self.created, "completed", self.items, c)
-        out.append(self._sse("response.completed", {"response": done}))
+        data: dict[str, Any] = {"response": done}
+        if self.timings is not None:
+            data["timings"] = F.timings(c.stats, F.n_decoded(c))
+        out.append(self._sse("response.completed", data))
         return out

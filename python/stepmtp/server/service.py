@@ -158,17 +158,21 @@ class GenerationService:
 
     async def stream_events(self, job: Job, items: list[tuple[str, Any]],
                             on_chunk: Callable[[Any], list[str]], on_done: Callable[[Completion], list[str]],
-                            done_marker: bool, progress: Callable[[dict[str, int]], dict[str, Any]] | None = None
+                            done_marker: bool, progress: Callable[[dict[str, int]], dict[str, Any]] | None = None,
+                            on_progress: Callable[[dict[str, int]], list[str]] | None = None
                             ) -> AsyncIterator[str]:
         """SSE text for the job's items: one event per token (llama-server's format),
         written in batches at most every STREAM_FLUSH_S. ``progress``: the event a
-        prompt-progress report rides on (return_progress), ``prompt_progress`` added."""
+        prompt-progress report rides on (return_progress), ``prompt_progress`` added;
+        ``on_progress``: the SSE text of a report, for an API whose events name their type."""
         last_flush = 0.0
         out: list[str] = []
         while True:
             for kind, payload in items:
                 if kind == "chunk" and payload.progress is not None:
-                    if progress is not None:
+                    if on_progress is not None:
+                        out.extend(on_progress(payload.progress))
+                    elif progress is not None:
                         out.append(F.sse({**progress(payload.progress), "prompt_progress": payload.progress}))
                 elif kind == "chunk":
                     out.extend(on_chunk(payload))

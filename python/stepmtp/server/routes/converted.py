@@ -41,11 +41,16 @@ async def answer_converted(request: Request, req: ChatCompletionRequest,
     job, items = await svc.start(jobs.gens[0], request)
     parser = jobs.fmt.parser()
     events = events_for(jobs.info, jobs.gens[0])
+    per_token = jobs.info.settings.timings_per_token and hasattr(events, "timings")
 
     def on_chunk(ch: Any) -> list[str]:
+        if per_token and ch.stats is not None:  # llama-server's timings_per_token, on the text's events
+            events.timings = F.timings(ch.stats, ch.stats.n_predicted)
         return events.feed(parser.feed(ch.text)) if ch.text else events.start()
 
     def on_done(c: Completion) -> list[str]:
         return events.feed(parser.finish()) + events.finish(c, parser.message())
 
-    return SSEResponse(svc.stream_events(job, items, on_chunk, on_done, done_marker=False), job.cancel)
+    on_progress = getattr(events, "progress", None) if jobs.gens[0].return_progress else None
+    return SSEResponse(svc.stream_events(job, items, on_chunk, on_done, done_marker=False, on_progress=on_progress),
+                       job.cancel)

@@ -112,7 +112,8 @@ async def completion(request: Request) -> Any:
             return []
         toks, acc["tokens"] = acc["tokens"], []
         probs, acc["probs"] = acc["probs"], []
-        return [F.sse(F.native_partial(ch.text, toks, acc["n"], n_prompt, probs=probs, info=info))]
+        return [F.sse(F.chunk_timings(F.native_partial(ch.text, toks, acc["n"], n_prompt, probs=probs, info=info),
+                                      ch, info))]
 
     def on_done(c: Completion) -> list[str]:
         info.prompt_text = eng.model.detokenize(c.prompt_tokens, unparse_special=True)
