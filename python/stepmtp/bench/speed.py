@@ -25,7 +25,7 @@ import sysconfig
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -57,6 +57,12 @@ def corpus_tokens(url: str, n: int) -> list[int]:
     if len(out) < n:
         raise RuntimeError(f"speed: the standard library gave {len(out)} tokens, {n} were asked for")
     return out
+
+
+def _arch(model: Path) -> str:
+    import gguf
+
+    return str(gguf.GGUFReader(str(model)).fields["general.architecture"].contents())
 
 
 def _complete(url: str, prompt: list[int], n_predict: int, timeout: float) -> dict[str, Any]:
@@ -127,6 +133,10 @@ def run_speed(entries: Sequence[Entry], model: Path, *, prompt_tokens: int = 409
     run = SpeedRun(cells)
     names = [e.name for e in entries]
     n_ctx = max(8192, 2 * (prompt_tokens + 64))
+    # llama-server caps a slot's context at the model's training context (the bench
+    # model's is 1024): every server is told a longer one, the same for each
+    entries = [replace(e, flags=(*e.flags, "--override-kv", f"{_arch(model)}.context_length=int:{n_ctx}"))
+               for e in entries]
     short = 32  # the decode cells' prompt length: their time is the decoding's
     need = repeat * (prompt_tokens + short * sum(clients) * len(entries)) + prompt_tokens
     with running_servers(entries, model, llama_server, threads, n_ctx, timeout) as servers:
