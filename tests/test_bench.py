@@ -18,6 +18,7 @@ import pytest
 from stepmtp.bench import gate as G
 from stepmtp.bench import matrix as X
 from stepmtp.bench import report as R
+from stepmtp.bench import speed as S
 from stepmtp.bench.__main__ import main as bench_main
 from stepmtp.bench.harness import run_bench
 from stepmtp.bench.prompts import CATEGORIES, Prompt, load_prompts
@@ -332,6 +333,38 @@ def test_cli_matrix(agree, tmp_path, capsys):
         return
     assert (out / "matrix.png").read_bytes()[:4] == b"\x89PNG"
 
+
+
+def test_cli_speed(agree, tmp_path, capsys):
+    """--speed: each entry's fresh prompt and N clients' decoding through its server, the
+    same prompt to every entry; the table, and the JSON with one figure per repetition."""
+    out = tmp_path / "s"
+    rc = bench_main(["-m", str(agree), "--speed", "--entries", "off,mtp", "--clients", "1,2", "--prompt-tokens", "96",
+                     "-n", "8", "--repeat", "2", "-t", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| `mtp` x `off` |" in text and "prompt 96 tokens" in text
+    doc = json.loads((out / "speed.json").read_text())
+    assert doc["cells"] == ["prompt", "decode-1", "decode-2"] and doc["reference"] == "off"
+    for cell in doc["cells"]:
+        assert set(doc["speed"][cell]) == {"off", "mtp"}
+        assert all(len(v) == 2 and min(v) > 0 for v in doc["speed"][cell].values())
+    run = S.SpeedRun(["prompt"], {"prompt": {"a": [2.0, 4.0], "b": [1.0, 1.0]}})
+    ratio, se = run.paired("prompt", "a", "b")
+    assert abs(ratio - 8 ** 0.5) < 1e-9 and se > 0 and run.best("prompt", "a") == 4.0
+
+
+def test_cli_verify_costs(agree, tmp_path, capsys):
+    """--verify-costs: k rows in one-row decodes, our kernels against llama.cpp's (fresh
+    processes, the rule off by the environment); k = 1 is 1 by construction."""
+    out = tmp_path / "v"
+    rc = bench_main(["-m", str(agree), "--verify-costs", "-t", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    assert "| ours x llama.cpp's |" in capsys.readouterr().out
+    doc = json.loads((out / "verify-costs.json").read_text())
+    assert doc["rows"] == [1, 2, 3, 4, 8, 16, 32, 63] and set(doc["ratios"]) == {"ours", "llama.cpp"}
+    for r in doc["ratios"].values():
+        assert r["1"] == 1.0 and r["63"] > r["2"] > 1.0
 
 
 def test_matrix_entries_take_turns_group_by_group():
