@@ -437,13 +437,21 @@ def _emit(args: argparse.Namespace, md: str, doc: dict[str, Any], name: str) -> 
         Path(outs["markdown"]).write_text(md)
 
 
+def _foreign_servers(args: argparse.Namespace, mode: str) -> bool:
+    """Whether options that pick other servers were given to a mode that starts its own
+    (said on stderr)."""
+    if args.url or args.baseline or args.configs or args.compare or args.rpc:
+        print(f"{PROG}: {mode} starts its own servers (no --url, --baseline, --configs, --compare or --rpc)",
+              file=sys.stderr)
+        return True
+    return False
+
+
 def _speed(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | None, progress: bool) -> int:
     from . import matrix as X
     from . import speed as S
 
-    if args.url or args.baseline or args.configs or args.compare or args.rpc:
-        print(f"{PROG}: --speed starts its own servers (no --url, --baseline, --configs, --compare or --rpc)",
-              file=sys.stderr)
+    if _foreign_servers(args, "--speed"):
         return 2
     try:
         names = args.entries or ("off,cpp-off" if llama_server is not None else "off")
@@ -502,9 +510,7 @@ def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_ser
             progress: bool) -> int:
     from . import matrix as X
 
-    if args.url or args.baseline or args.configs or args.compare or args.rpc:
-        print(f"{PROG}: --matrix starts its own servers (no --url, --baseline, --configs, --compare or --rpc)",
-              file=sys.stderr)
+    if _foreign_servers(args, "--matrix"):
         return 2
     try:
         entries = X.parse_entries(args.entries, llama_server is not None)

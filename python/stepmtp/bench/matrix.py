@@ -44,15 +44,13 @@ import contextlib
 import json
 import math
 import sys
-import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .prompts import Prompt
-from .runners import ServerProcess, _http
+from .runners import ServerProcess, _http, run_clients
 
 __all__ = ["Entry", "Cell", "Run", "turns", "ENTRIES", "parse_entries", "run_matrix", "running_servers", "markdown", "write_heatmap", "check_texts"]
 
@@ -216,31 +214,7 @@ def _request(url: str, p: Prompt, temperature: float, timeout: float) -> dict[st
 
 
 def _drive(url: str, prompts: Sequence[Prompt], temperature: float, clients: int, timeout: float) -> Run:
-    outs: list[dict[str, Any] | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
-    todo = iter(range(len(prompts)))
-    lock = threading.Lock()
-
-    def client() -> None:
-        while not errors:
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            try:
-                outs[i] = _request(url, prompts[i], temperature, timeout)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{url}: a request failed: {errors[0]}")
+    outs, wall = run_clients(clients, [lambda p=p: _request(url, p, temperature, timeout) for p in prompts], url)
     tokens = drafted = accepted = 0
     texts = []
     for o in outs:

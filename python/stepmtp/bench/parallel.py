@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from .prompts import Prompt
-from .runners import BenchConfig, EngineRunner, Result, Runner, ServerRunner
+from .runners import BenchConfig, EngineRunner, Result, Runner, ServerRunner, run_clients
 
 
 @dataclass
@@ -56,34 +54,8 @@ def _runner(c: BenchConfig, model: Path, n: int, *, mtp_model: str | None, n_ctx
 
 def _drive(runner: Runner, prompts: Sequence[Prompt], clients: int) -> tuple[float, list[Result]]:
     """All prompts through ``clients`` threads; the wall time and results in prompt order."""
-    results: list[Result | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
-    next_i = iter(range(len(prompts)))
-    lock = threading.Lock()
-
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(next_i, None)
-            if i is None or errors:
-                return
-            p = prompts[i]
-            try:
-                results[i] = runner.run(p.category, p.prompt, p.n_predict)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                errors.append(e)
-                return
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"a request failed: {errors[0]}")
-    return wall, [r for r in results if r is not None]
+    results, wall = run_clients(clients, [lambda p=p: runner.run(p.category, p.prompt, p.n_predict) for p in prompts])
+    return wall, results
 
 
 def run_parallel(prompts: Sequence[Prompt], configs: Sequence[BenchConfig], model: Path, n_clients: int, *,

@@ -16,12 +16,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["BenchConfig", "Result", "Runner", "EngineRunner", "URLRunner", "ServerProcess", "ServerRunner",
            "parse_configs", "find_llama_server", "COMPARE_CONFIGS"]
@@ -418,6 +419,38 @@ class EngineRunner(Runner):
 
 
 # -- HTTP ----------------------------------------------------------------------------
+
+
+def run_clients(n_clients: int, jobs: Sequence[Callable[[], Any]], what: str = "") -> tuple[list[Any], float]:
+    """``jobs`` run by ``n_clients`` threads, each taking the next job as it finishes one
+    (as that many clients of a server send their requests): the results in the jobs'
+    order and the wall time; a RuntimeError naming the first failure once all stopped."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+    todo = iter(range(len(jobs)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while not errors:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = jobs[i]()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(n_clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{what + ': ' if what else ''}a request failed: {errors[0]}")
+    return results, wall
 
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> tuple[int, Any]:

@@ -22,15 +22,13 @@ import json
 import math
 import sys
 import sysconfig
-import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from .matrix import Entry, running_servers
-from .runners import _http
+from .runners import _http, run_clients
 
 __all__ = ["SpeedRun", "corpus_tokens", "run_speed", "speed_markdown"]
 
@@ -75,24 +73,7 @@ def _complete(url: str, prompt: list[int], n_predict: int, timeout: float) -> di
 
 def _decode(url: str, prompts: Sequence[list[int]], n_predict: int, timeout: float) -> float:
     """Generated tokens per second of ``prompts`` sent at once, over their wall time."""
-    outs: list[dict[str, Any] | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            outs[i] = _complete(url, prompts[i], n_predict, timeout)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{url}: a request failed: {errors[0]}")
+    outs, wall = run_clients(len(prompts), [lambda p=p: _complete(url, p, n_predict, timeout) for p in prompts], url)
     tokens = sum(int((o.get("timings") or {}).get("predicted_n", o.get("tokens_predicted", 0))) for o in outs)
     return tokens / wall if wall > 0 else 0.0
 
