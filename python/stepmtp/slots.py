@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
 from .llama import KVFullError, LlamaError
@@ -55,8 +55,12 @@ class Chunk:
     #: a prompt-progress report instead of text (return_progress): llama-server's
     #: total, cache, processed, time_ms
     progress: dict[str, int] | None = None
-    #: the request's statistics as of this chunk (llama-server's timings_per_token)
+    #: for llama-server's timings_per_token: the request's statistics (its own object,
+    #: not a copy: the prompt's figures are final by then), and the tokens decoded and
+    #: the generation's milliseconds as of this chunk
     stats: GenStats | None = None
+    n_decoded: int = 0
+    t_gen_ms: float = 0.0
 
 
 @dataclass
@@ -239,16 +243,12 @@ class Request:
                 self.stop_type, self.finish, unsent = "limit", "length", [tok]
                 self._unsent_probs = tp
                 break
-            self.chunks.append(Chunk(self.asm.take(), [tok], probs=tp, stats=self._stats_now()))
+            # no copy of the statistics per token: two numbers, read only if a client asks
+            self.chunks.append(Chunk(self.asm.take(), [tok], probs=tp, stats=self.state.stats,
+                                     n_decoded=len(self.out_tokens),
+                                     t_gen_ms=(time.perf_counter() - self._t_gen) * 1e3))
         if self.stop_type != "none":
             self._finish(unsent)
-
-    def _stats_now(self) -> GenStats:
-        """The statistics so far, generation time included, for a chunk's timings (a
-        shallow copy: its counts and times are not written again)."""
-        st = self.state.stats
-        return replace(st, n_predicted=len(self.out_tokens),
-                       t_gen_ms=st.t_gen_ms + (time.perf_counter() - self._t_gen) * 1e3 if self._t_gen else st.t_gen_ms)
 
     def _finish(self, unsent: list[int]) -> None:
         st = self.state.stats

@@ -9,7 +9,7 @@ import math
 import secrets
 import string
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..slots import Completion
@@ -190,8 +190,13 @@ class ResultInfo:
 def chunk_timings(res: dict[str, Any], ch: Any, info: "ResultInfo") -> dict[str, Any]:
     """``res`` with the timings so far when the request asked for them per token."""
     if info.settings.timings_per_token and getattr(ch, "stats", None) is not None:
-        res["timings"] = timings(ch.stats, ch.stats.n_predicted)
+        res["timings"] = chunk_stats_timings(ch)
     return res
+
+
+def chunk_stats_timings(ch: Any) -> dict[str, Any]:
+    """``timings`` as of a streamed chunk (its request's statistics, its generation time)."""
+    return timings(replace(ch.stats, t_gen_ms=ch.t_gen_ms), ch.n_decoded)
 
 
 def n_decoded(c: Completion) -> int:

@@ -437,32 +437,34 @@ def _emit(args: argparse.Namespace, md: str, doc: dict[str, Any], name: str) -> 
         Path(outs["markdown"]).write_text(md)
 
 
-def _foreign_servers(args: argparse.Namespace, mode: str) -> bool:
-    """Whether options that pick other servers were given to a mode that starts its own
-    (said on stderr)."""
+def _own_servers(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | None, mode: str,
+                 entries: str, progress: bool) -> tuple[list[Any], list[int], Path] | None:
+    """A mode that starts its own servers: its entries, --clients and the model's path;
+    None after saying why not."""
+    from . import matrix as X
+
     if args.url or args.baseline or args.configs or args.compare or args.rpc:
         print(f"{PROG}: {mode} starts its own servers (no --url, --baseline, --configs, --compare or --rpc)",
               file=sys.stderr)
-        return True
-    return False
-
-
-def _speed(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | None, progress: bool) -> int:
-    from . import matrix as X
-    from . import speed as S
-
-    if _foreign_servers(args, "--speed"):
-        return 2
+        return None
     try:
-        names = args.entries or ("off,cpp-off" if llama_server is not None else "off")
-        entries = X.parse_entries(names, llama_server is not None)
+        picked = X.parse_entries(entries, llama_server is not None)
         clients = [int(n) for n in args.clients.split(",") if n.strip()]
     except ValueError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
+        return None
     path = _model_path(s, progress)
-    if path is None:
+    return None if path is None else (picked, clients, path)
+
+
+def _speed(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | None, progress: bool) -> int:
+    from . import speed as S
+
+    got = _own_servers(args, s, llama_server, "--speed",
+                       args.entries or ("off,cpp-off" if llama_server is not None else "off"), progress)
+    if got is None:
         return 2
+    entries, clients, path = got
     n_predict = s["n_predict"] or 128
     try:
         run = S.run_speed(entries, path, prompt_tokens=args.prompt_tokens, clients=clients, n_predict=n_predict,
@@ -510,18 +512,15 @@ def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_ser
             progress: bool) -> int:
     from . import matrix as X
 
-    if _foreign_servers(args, "--matrix"):
-        return 2
     try:
-        entries = X.parse_entries(args.entries, llama_server is not None)
         temps = [float(t) for t in args.temps.split(",") if t.strip()]
-        clients = [int(n) for n in args.clients.split(",") if n.strip()]
     except ValueError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
-    path = _model_path(s, progress)
-    if path is None:
+    got = _own_servers(args, s, llama_server, "--matrix", args.entries, progress)
+    if got is None:
         return 2
+    entries, clients, path = got
     agent = None
     try:
         cells, props = X.run_matrix(list(prompts.prompts), entries, path, temps=temps, clients=clients,
@@ -548,26 +547,16 @@ def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_ser
         md += (f"\n### Agents' turns\n\n{A.agent_markdown(agent, entries)}\n{args.agent_turns} turns of each kind "
                f"x 256 tokens at temperature 0, one client; generation tok/s from the servers' timings; "
                f"{env.get('cpu_model')}, {env.get('n_threads')} threads; model {model}\n")
-    print(md)
     doc = {"matrix": [c.to_dict() for c in cells], "entries": {e.name: {"flags": list(e.flags), "cpp": e.cpp,
                                                                       "what": e.what} for e in entries},
            "servers": props, "model": _model_info(s["model"], path, s["bench_model_mb"]),
            "agent": agent.to_dict() if agent is not None else None,
            "settings": {k: s[k] for k in ("n_predict", "limit", "categories", "threads", "repeat")},
            "environment": env}
-    outs = {"json": args.json, "markdown": args.markdown, "chart": args.chart}
-    if args.out:
-        d = Path(args.out)
-        d.mkdir(parents=True, exist_ok=True)
-        for kind, name in (("json", "matrix.json"), ("markdown", "matrix.md"), ("chart", "matrix.png")):
-            outs[kind] = outs[kind] or str(d / name)
-    if outs["json"]:
-        text = json.dumps(doc, indent=2) + "\n"
-        sys.stdout.write(text) if outs["json"] == "-" else Path(outs["json"]).write_text(text)
-    if outs["markdown"]:
-        Path(outs["markdown"]).write_text(md)
-    if outs["chart"] and cells:
-        why = X.write_heatmap(cells, entries, outs["chart"])
+    _emit(args, md, doc, "matrix")
+    chart = args.chart or (str(Path(args.out) / "matrix.png") if args.out else None)
+    if chart and cells:
+        why = X.write_heatmap(cells, entries, chart)
         if why:
             print(f"bench: {why}", file=sys.stderr)
     bad = X.check_texts(cells, entries)

@@ -45,7 +45,7 @@ async def answer_converted(request: Request, req: ChatCompletionRequest,
 
     def on_chunk(ch: Any) -> list[str]:
         if per_token and ch.stats is not None:  # llama-server's timings_per_token, on the text's events
-            events.timings = F.timings(ch.stats, ch.stats.n_predicted)
+            events.timings = F.chunk_stats_timings(ch)
         return events.feed(parser.feed(ch.text)) if ch.text else events.start()
 
     def on_done(c: Completion) -> list[str]:
