@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import math
+
 import pytest
 
 from stepmtp.adaptive import SeqPolicy, ConfidenceRecord, DraftPlanner, RoundCosts, regime
@@ -328,13 +330,26 @@ def test_preempted_rounds_move_no_estimate():
 
 
 def test_unmeasured_row_counts_are_read_off_the_line_through_the_measured():
+    """Between two measured row counts, on their line; past the longest, on the power
+    law through the two longest (rows that share weights cost less each: on the line
+    through the heads' short verifies, a copy's long draft looked so dear that it was
+    never tried, so never measured)."""
     c = RoundCosts(3)
     for rows, t in ((1, 1.0), (5, 3.0)):
         for _ in range(5):
             c.rounds += 1
             c.observe_verify(rows, t)
     assert c.verify(3) == pytest.approx(2.0, rel=0.01)
-    assert c.verify(9) == pytest.approx(5.0, rel=0.01)
+    p = math.log(3.0) / math.log(5.0)
+    assert c.verify(9) == pytest.approx(3.0 * (9 / 5) ** p, rel=0.01)
+    assert 3.0 < c.verify(9) < 5.0 and c.verify(20) > c.verify(9)
+    # rows that cost alike stay on the line; the exponent never goes below 1/2
+    c = RoundCosts(3)
+    verifies(c, [(1, 1.0)] * 5 + [(5, 5.0)] * 5)
+    assert c.verify(9) == pytest.approx(9.0, rel=0.01)
+    c = RoundCosts(3)
+    verifies(c, [(1, 1.0)] * 5 + [(5, 1.05)] * 5)
+    assert c.verify(20) == pytest.approx(1.05 * 2.0, rel=0.01)
 
 
 def test_sampling_sequences_draft_only_for_a_larger_gain():

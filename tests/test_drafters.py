@@ -12,7 +12,7 @@ from stepmtp import Engine
 from stepmtp.drafters import PointMass
 from stepmtp.models import default_model_path
 from stepmtp.adaptive import expected_tokens
-from stepmtp.drafters.context import ContextDrafter, ContextPool, ContextRecord
+from stepmtp.drafters.context import ContextDrafter, ContextPool, ContextProposal, ContextRecord
 from stepmtp.drafters.ngram import NgramCache, NgramConfig, NgramMap, NgramMod, NgramSimple, make_ngram, read_lookup_cache
 from stepmtp.sampling import Sampler, SamplingParams, verify_rejection
 
@@ -79,6 +79,40 @@ def test_the_record_learns_acceptance_by_evidence():
     after = rec.accepts(prop)
     assert after[3] < before[3] and after[0] > 0.9
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+
+
+def test_a_text_that_repeats_itself_is_proposed_through_its_own_end():
+    """A source in the sequence itself reads on into the proposal (a copy that overlaps
+    its output): a text with a period of 5 tokens is proposed as far as the cap, not 5
+    tokens a round."""
+    period = [7, 8, 9, 10, 11]
+    seq = [1, 2, 3] + period * 4
+    d = ContextDrafter()
+    prop = d.propose(d.begin(seq, None), 23)
+    assert prop.tokens == (period * 6)[:23]
+    assert prop.match == sorted(prop.match)  # its evidence grows as it goes
+    # a source in another text stops at that text's end
+    pool = ContextPool(max_tokens=1000)
+    pool.add([1, 2, 3] + period + [4, 5, 6, 12, 13])
+    prop = d.propose(d.begin([20, 21] + period, pool), 23)
+    assert prop.tokens == [4, 5, 6, 12, 13]
+
+
+def test_a_place_never_judged_takes_the_rate_of_the_place_before():
+    """Short drafts all accepted: the places after them, never drafted, are taken at
+    the rate learnt before them, not at a fixed prior (which kept long drafts from ever
+    being tried)."""
+    rec = ContextRecord()
+    prop = ContextProposal(tokens=[5] * 12, match=[40] * 12, share=[1.0] * 12)
+    before = rec.accepts(prop)
+    for _ in range(60):
+        rec.observe(prop, 3, 3)
+    after = rec.accepts(prop)
+    assert after[2] > before[2] and after[2] > 0.98
+    assert after[8] > before[8] and after[8] > 0.97
+    for _ in range(60):
+        rec.observe(prop, 12, 8)  # the ninth keeps being rejected: its place learns it
+    assert rec.accepts(prop)[8] < 0.5 < 0.9 < rec.accepts(prop)[7]
 
 
 # -- point proposals ------------------------------------------------------------------
