@@ -245,6 +245,45 @@ F16_LOGITS = r"""
 """
 
 
+FA_LOGITS = r"""
+    import hashlib, json, sys
+    import numpy as np
+    from stepmtp import Batch, Context, Model
+
+    m = Model(sys.argv[1])
+    toks = (m.tokenize("import os\nimport sys\n\ndef main(argv):\n", add_special=False) * 40)[:300]
+    out, rows = {}, {}
+    with Context(m, n_ctx=512, n_threads=1, n_threads_batch=1, flash_attn=True) as ctx:
+        b = Batch(256)
+        b.fill(toks[:250], 0, seq=0, outputs="none")
+        ctx.decode(b)
+        for k in (1, 4, 13, 40):  # a decode, verifies, a prompt chunk under 64 rows
+            b.fill(toks[250:250 + k], 250, seq=0, outputs="all")
+            ctx.decode(b)
+            rows[k] = ctx.logits_rows(k).copy()
+            out[str(k)] = hashlib.sha256(rows[k].tobytes()).hexdigest()
+            ctx.seq_rm(0, 250, -1)
+        lone = []
+        for j in range(40):  # the same rows, one decode each
+            b.fill(toks[250 + j:251 + j], 250 + j, seq=0, outputs="all")
+            ctx.decode(b)
+            lone.append(ctx.logits_rows(1)[0].copy())
+        out["lone"] = all(np.array_equal(rows[k], np.stack(lone[:k])) for k in rows)
+    print(json.dumps(out))
+"""
+
+
+def test_flash_attention_rows_change_no_bit(tmp_path):
+    """Patch 0020 runs several query rows of a head together on flash attention's one-row
+    path, each KV cell read once for them: every row must keep the lone row's result,
+    the one-row loop's (GGML_CPU_FA_ROWS=0), bit for bit, after 250 cells."""
+    path = _f16_tiny(tmp_path)
+    together = _child(FA_LOGITS, str(path))
+    loop = _child(FA_LOGITS, str(path), GGML_CPU_FA_ROWS="0")
+    assert together["lone"] and loop["lone"]
+    assert together == loop
+
+
 def test_f16_tiles_change_no_bit(tmp_path):
     """Patch 0016 multiplies F16 weights by a few rows at a time in tiles, dense products
     of a decode's rows and an expert's rows of any batch (a prompt's too); every pair must
