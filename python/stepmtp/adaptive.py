@@ -318,7 +318,7 @@ class RoundCosts:
             # corrected by the one verify that tries it
             a, b = sorted(below)[-2:]
             p = min(1.0, max(0.5, math.log(max(T[b], 1e-12) / max(T[a], 1e-12)) / math.log(b / a)))
-            return max(T[b] * (rows / b) ** p, T[b])
+            return T[b] * (rows / b) ** p
         else:
             near = sorted(T, key=lambda r: abs(r - rows))[:2]
             if len(near) < 2:

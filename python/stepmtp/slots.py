@@ -405,29 +405,27 @@ class Slots:
             self.adapters.apply(self.driver.target, adapter)
 
     def _round(self, running: list[Request]) -> None:
-        """One MTP round for these generating slots, together."""
+        """One MTP round for these generating slots (at least one), together."""
         drv = self.driver
-        if running:
+        for r in running:
+            # tokens still wanted: drafts past them are rows verified for nothing
+            r.state.budget = r.n_predict - len(r.out_tokens) if r.n_predict > 0 else -1
+        try:
+            outs = drv.round([r.state for r in running])
+        except KVFullError as e:
+            outs = [e]  # one sequence alone, and no room for its next token
+        except LlamaError as e:
+            # a round is shared: what failed it (a backend error) fails its members;
+            # the slots are freed and the engine stays usable
+            outs = []
             for r in running:
-                # tokens still wanted: drafts past them are rows verified for nothing
-                r.state.budget = r.n_predict - len(r.out_tokens) if r.n_predict > 0 else -1
-            states = [r.state for r in running]
-            try:
-                outs = drv.round(states)
-            except KVFullError as e:
-                outs = [e]  # one sequence alone, and no room for its next token
-            except LlamaError as e:
-                # a round is shared: what failed it (a backend error) fails its members;
-                # the slots are freed and the engine stays usable
-                outs = []
-                for r in running:
-                    r.fail(e)
-            stuck = [r for r, out in zip(running, outs) if isinstance(out, LlamaError)]
-            for r, out in zip(running, outs):
-                if isinstance(out, LlamaError):
-                    self._no_room(r, len(stuck))
-                else:
-                    r.feed(out, self.model, drv.n_ctx_seq)
+                r.fail(e)
+        stuck = [r for r, out in zip(running, outs) if isinstance(out, LlamaError)]
+        for r, out in zip(running, outs):
+            if isinstance(out, LlamaError):
+                self._no_room(r, len(stuck))
+            else:
+                r.feed(out, self.model, drv.n_ctx_seq)
 
     def _prefill_together(self, reqs: list[Request]) -> bool:
         """The next chunks of ``reqs``' prompts in one decode; False when the cache had no

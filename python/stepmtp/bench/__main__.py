@@ -398,13 +398,12 @@ def _parallel(args: argparse.Namespace, s: dict[str, Any], cfgs: list[BenchConfi
     path = _model_path(s, progress)
     if path is None:
         return 2
-    try:
-        runs = P.run_parallel(list(prompts.prompts), cfgs, path, args.parallel, mtp_model=args.mtp_model,
-                              n_ctx=s["ctx_size"], n_threads=s["threads"], repeat=s["repeat"],
-                              server=args.server, progress=progress)
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
-        return 130
+    runs, code = _guarded(lambda: P.run_parallel(list(prompts.prompts), cfgs, path, args.parallel,
+                                                 mtp_model=args.mtp_model, n_ctx=s["ctx_size"],
+                                                 n_threads=s["threads"], repeat=s["repeat"], server=args.server,
+                                                 progress=progress))
+    if code is not None:
+        return code
     md = P.markdown(runs)
     print(md)
     doc = {"parallel": args.parallel, "model": _model_info(s["model"], path, s["bench_model_mb"]),
@@ -420,6 +419,24 @@ def _parallel(args: argparse.Namespace, s: dict[str, Any], cfgs: list[BenchConfi
         print(f"{PROG}: outputs differ between 1 and {args.parallel} clients for {', '.join(bad)}", file=sys.stderr)
         return 3
     return 0
+
+
+def _guarded(run: Any) -> tuple[Any, int | None]:
+    """``run()``'s result, or the exit code after saying why it stopped: Ctrl-C (the
+    servers it started are stopped on the way out) or a RuntimeError (a server's)."""
+    try:
+        return run(), None
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
+        return None, 130
+    except RuntimeError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return None, 2
+
+
+def _machine(env: dict[str, Any], model: str) -> str:
+    """The end of a table's caption: the CPU, the threads and the model."""
+    return f"{env.get('cpu_model')}, {env.get('n_threads')} threads; model {model}"
 
 
 def _emit(args: argparse.Namespace, md: str, doc: dict[str, Any], name: str) -> None:
@@ -466,21 +483,16 @@ def _speed(args: argparse.Namespace, s: dict[str, Any], llama_server: Path | Non
         return 2
     entries, clients, path = got
     n_predict = s["n_predict"] or 128
-    try:
-        run = S.run_speed(entries, path, prompt_tokens=args.prompt_tokens, clients=clients, n_predict=n_predict,
-                          repeat=s["repeat"], llama_server=llama_server, threads=s["threads"], progress=progress)
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
-        return 130
-    except RuntimeError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
+    run, code = _guarded(lambda: S.run_speed(entries, path, prompt_tokens=args.prompt_tokens, clients=clients,
+                                             n_predict=n_predict, repeat=s["repeat"], llama_server=llama_server,
+                                             threads=s["threads"], progress=progress))
+    if code is not None:
+        return code
     env = R.environment(s["threads"])
     reference = "cpp-off" if any(e.name == "cpp-off" for e in entries) else "off"
     model = _model_info(s["model"], path, s["bench_model_mb"])
     md = (f"{S.speed_markdown(run, entries, reference)}\nprompt {args.prompt_tokens} tokens; decode {n_predict} "
-          f"tokens a client at temperature 0; {s['repeat']} repetitions; {env.get('cpu_model')}, "
-          f"{env.get('n_threads')} threads; model {model['name']}\n")
+          f"tokens a client at temperature 0; {s['repeat']} repetitions; {_machine(env, model['name'])}\n")
     doc = {"speed": run.figures, "cells": run.cells, "reference": reference,
            "entries": {e.name: {"flags": list(e.flags), "cpp": e.cpp} for e in entries}, "model": model,
            "settings": {"prompt_tokens": args.prompt_tokens, "n_predict": n_predict, "clients": clients,
@@ -495,15 +507,13 @@ def _verify_costs(args: argparse.Namespace, s: dict[str, Any], progress: bool) -
     path = _model_path(s, progress)
     if path is None:
         return 2
-    try:
-        doc = V.run_verify_costs(path, threads=s["threads"], progress=progress)
-    except RuntimeError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
+    doc, code = _guarded(lambda: V.run_verify_costs(path, threads=s["threads"], progress=progress))
+    if code is not None:
+        return code
     env = R.environment(s["threads"])
     model = _model_info(s["model"], path, s["bench_model_mb"])
     doc.update(model=model, environment=env)
-    md = f"{V.verify_costs_markdown(doc)}\n{env.get('cpu_model')}, {env.get('n_threads')} threads; model {model['name']}\n"
+    md = f"{V.verify_costs_markdown(doc)}\n{_machine(env, model['name'])}\n"
     _emit(args, md, doc, "verify-costs")
     return 0
 
@@ -521,32 +531,28 @@ def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_ser
     if got is None:
         return 2
     entries, clients, path = got
-    agent = None
-    try:
+    from . import agent_turns as A
+
+    def run() -> tuple[list[Any], dict[str, Any], Any]:
         cells, props = X.run_matrix(list(prompts.prompts), entries, path, temps=temps, clients=clients,
                                     repeat=s["repeat"], llama_server=llama_server, threads=s["threads"],
                                     progress=progress) if temps and clients else ([], {})
-        if args.agent:
-            from . import agent_turns as A
+        agent = A.run_agent(A.agent_prompts(args.agent_turns), entries, path, llama_server=llama_server,
+                            threads=s["threads"], progress=progress) if args.agent else None
+        return cells, props, agent
 
-            agent = A.run_agent(A.agent_prompts(args.agent_turns), entries, path, llama_server=llama_server,
-                                threads=s["threads"], progress=progress)
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted (servers stopped)", file=sys.stderr)
-        return 130
-    except RuntimeError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
+    got, code = _guarded(run)
+    if code is not None:
+        return code
+    cells, props, agent = got
     env = R.environment(s["threads"])
     model = _model_info(s['model'], path, s['bench_model_mb'])['name']
     md = (f"{X.markdown(cells, entries)}\n{len(prompts)} prompts x {prompts.prompts[0].n_predict} tokens, best of "
-          f"{s['repeat']}; {env.get('cpu_model')}, {env.get('n_threads')} threads; model {model}\n") if cells else ""
+          f"{s['repeat']}; {_machine(env, model)}\n") if cells else ""
     if agent is not None:
-        from . import agent_turns as A
-
         md += (f"\n### Agents' turns\n\n{A.agent_markdown(agent, entries)}\n{args.agent_turns} turns of each kind "
                f"x 256 tokens at temperature 0, one client; generation tok/s from the servers' timings; "
-               f"{env.get('cpu_model')}, {env.get('n_threads')} threads; model {model}\n")
+               f"{_machine(env, model)}\n")
     doc = {"matrix": [c.to_dict() for c in cells], "entries": {e.name: {"flags": list(e.flags), "cpp": e.cpp,
                                                                       "what": e.what} for e in entries},
            "servers": props, "model": _model_info(s["model"], path, s["bench_model_mb"]),
@@ -561,8 +567,6 @@ def _matrix(args: argparse.Namespace, s: dict[str, Any], prompts: Any, llama_ser
             print(f"bench: {why}", file=sys.stderr)
     bad = X.check_texts(cells, entries)
     if agent is not None:
-        from . import agent_turns as A
-
         bad += A.check_agent_texts(agent, entries)
     if bad:
         print(f"{PROG}: texts differ:\n  " + "\n  ".join(bad), file=sys.stderr)

@@ -24,17 +24,16 @@ entry must write ``off``'s texts (exit 3 otherwise).
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
 import sysconfig
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from .matrix import MATRIX_CTX, Entry, running_servers
+from .runners import completion
 
 __all__ = ["KINDS", "Turn", "agent_prompts", "run_agent", "agent_markdown", "check_agent_texts"]
 
@@ -143,10 +142,7 @@ class AgentRun:
 
 def _complete(url: str, prompt: str, n_predict: int, timeout: float) -> Result:
     body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "stream": False}
-    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        o = json.loads(r.read())
+    o = completion(url, body, timeout)
     t = o.get("timings") or {}
     return Result(int(t.get("predicted_n", 0)), float(t.get("predicted_ms", 0.0)), int(t.get("draft_n", 0)),
                   int(t.get("draft_n_accepted", 0)), o.get("content", ""))

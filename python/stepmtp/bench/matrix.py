@@ -41,16 +41,14 @@ load each text must equal the text the same entry wrote for one client: exit 3 w
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .prompts import Prompt
-from .runners import ServerProcess, _http, run_clients
+from .runners import ServerProcess, _http, completion, run_clients
 
 __all__ = ["Entry", "Cell", "Run", "turns", "ENTRIES", "parse_entries", "run_matrix", "running_servers", "markdown", "write_heatmap", "check_texts"]
 
@@ -205,12 +203,8 @@ class Cell:
 
 
 def _request(url: str, p: Prompt, temperature: float, timeout: float) -> dict[str, Any]:
-    body = {"prompt": p.prompt, "n_predict": p.n_predict, "temperature": temperature, "cache_prompt": False,
-            "stream": False}
-    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    return completion(url, {"prompt": p.prompt, "n_predict": p.n_predict, "temperature": temperature,
+                            "cache_prompt": False, "stream": False}, timeout)
 
 
 def _drive(url: str, prompts: Sequence[Prompt], temperature: float, clients: int, timeout: float) -> Run:

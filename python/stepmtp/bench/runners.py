@@ -453,6 +453,19 @@ def run_clients(n_clients: int, jobs: Sequence[Callable[[], Any]], what: str = "
     return results, wall
 
 
+def completion(url: str, body: dict[str, Any], timeout: float, api_key: str | None = None) -> dict[str, Any]:
+    """POST ``body`` to ``url``/completion: the response's JSON, or a RuntimeError with the
+    HTTP status and the start of the server's answer."""
+    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}/completion: HTTP {e.code}: {e.read()[:500]!r}") from None
+
+
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
@@ -499,14 +512,7 @@ class URLRunner(Runner):
         body = {"prompt": prompt, "n_predict": n_predict, **self.config.request_settings(), "cache_prompt": False,
                 "stream": False}
         t0 = time.perf_counter()
-        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                resp = json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"{self.url}/completion: HTTP {e.code}: {e.read()[:500]!r}") from None
+        resp = completion(self.url, body, self.timeout, self.api_key)
         wall = time.perf_counter() - t0
         t = resp.get("timings") or {}
         mtp = resp.get("mtp") or {}

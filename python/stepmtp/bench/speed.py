@@ -18,17 +18,15 @@ machine moves one pair, not the table.
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import sysconfig
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from .matrix import Entry, running_servers
-from .runners import _http, run_clients
+from .runners import _http, completion, run_clients
 
 __all__ = ["SpeedRun", "corpus_tokens", "run_speed", "speed_markdown"]
 
@@ -64,11 +62,8 @@ def _arch(model: Path) -> str:
 
 
 def _complete(url: str, prompt: list[int], n_predict: int, timeout: float) -> dict[str, Any]:
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False, "stream": False}
-    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    return completion(url, {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+                            "stream": False}, timeout)
 
 
 def _decode(url: str, prompts: Sequence[list[int]], n_predict: int, timeout: float) -> float:

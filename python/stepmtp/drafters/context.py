@@ -308,10 +308,6 @@ class ContextRecord:
             out.append(prior)
         return out
 
-    def rate(self, match: int, step: int) -> float:
-        a, b = self._bin(match, step)
-        return self._rates(a)[b]
-
     def accepts(self, prop: ContextProposal) -> list[float]:
         """Per token of the proposal, its chance of acceptance given the ones before."""
         rates: dict[int, list[float]] = {}
