@@ -527,6 +527,25 @@ def _copy_costs(planner: DraftPlanner) -> None:
             planner.observe_round(rows, long(rows), [0.05, 0.05, 0.05])
 
 
+def test_copies_are_costed_before_the_heads_ever_drafted():
+    """An engine whose first requests were all copies (an agent's summaries) had its
+    verify timed at two row counts and no head step: its copies must still be planned
+    by what their rows cost, not as while nothing was timed (there: the longest draft
+    whenever it looked worth a token and a half, a 63-row verify at 30 decodes' cost)."""
+    planner = DraftPlanner(3)
+    planner.max_rows = 63
+    costs = planner.costs_for(1)
+    verifies(costs, [(1, 0.010), (63, 0.300), (1, 0.010), (63, 0.300)])
+    assert not costs.known  # (no draft step timed)
+    p = planner.policy(regime(True, 0.0))
+    p.context = [0.4] * 62  # a short match: the copy is unlikely to hold
+    n = planner.plan([p], [3])[0]
+    assert n <= 3, n
+    p.context = [0.995] * 62  # a long one, holding
+    n = planner.plan([p], [3])[0]
+    assert p.use == "context" and n >= 16 and p.n_forced == n
+
+
 def test_the_plan_takes_a_copy_that_pays_and_leaves_one_that_does_not():
     """A sequence whose context proposes a copy: accepted 0.99 a token, the plan drafts it
     long from the context (no head step); accepted 0.3, the heads' drafts win; a context

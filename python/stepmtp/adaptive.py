@@ -753,6 +753,18 @@ class DraftPlanner:
         else:
             n = 0
         out = [min(n, c) if c >= p.n_min else 0 for p, c in zip(seqs, caps)]
+        if len(self.costs.verify_t.t) >= 2 and any(p.context for p in seqs):
+            # the verify is costed: a copy drafts the length its rows are worth. The heads'
+            # steps play no part in that, and where only copies drafted they were never
+            # timed: such an engine planned its copies as below for good (an agent's
+            # summaries on the bench model's Q4_K_M: a 63-row verify, ~300 ms, for an
+            # expected 1.4 to 8 tokens, in the first rounds of each turn)
+            fixed, _, rows = self._choose(seqs, [0] * len(seqs), [p.accept for p in seqs], self.max_rows)
+            room = self.max_rows - len(seqs) - rows
+            for j, f in enumerate(fixed):
+                out[j] = f or max(0, min(out[j], room))
+                room -= 0 if f else out[j]
+            return out
         room = self.max_rows - len(seqs) - sum(out)
         for j, p in enumerate(seqs):
             # a copy is worth its rows whatever they cost yet: a token and a half a round or more
