@@ -291,6 +291,10 @@ class RoundCosts:
             self._fit = {r: total / w for total, w, rows in blocks for r in rows}
         return self._fit
 
+    #: past the longest row count measured, rows cost at most as on this power law (the
+    #: bench model's verifies on a CPU: 0.75 from 1 to 63 rows on F16, 0.80 on Q4_K_M)
+    MAX_EXPONENT = 0.8
+
     def verify(self, rows: int) -> float:
         """Seconds of the verify part of a round of ``rows`` rows: its own estimate, or
         read off the measured row counts (between two: on the segment joining them;
@@ -308,16 +312,19 @@ class RoundCosts:
         if below and above:
             a, b = max(below), min(above)
         elif len(below) >= 2:
-            # past the longest measured: on the power law through the two longest (its
-            # exponent between 1/2 and 1), not on their line. Each row adds less than the
-            # one before it where rows share weights (a CPU's experts: 4 rows cost 2.6
-            # one-row decodes on the bench model, 63 rows 22, not 40), and the line
-            # through the short verifies the heads make priced a copy's long draft so
-            # dear that it was never tried, so never measured (an echoed text, every
-            # token accepted, verified 9 tokens at a time). An estimate too low is
-            # corrected by the one verify that tries it
-            a, b = sorted(below)[-2:]
-            p = min(1.0, max(0.5, math.log(max(T[b], 1e-12) / max(T[a], 1e-12)) / math.log(b / a)))
+            # past the longest measured: on the power law through the shortest and the
+            # longest (its exponent between 1/2 and MAX_EXPONENT), not on a line. Each
+            # row adds less than the one before it where rows share weights (a CPU's
+            # experts: 4 rows cost 2.6 one-row decodes on the bench model, 63 rows 22,
+            # not 40), and the line through the short verifies the heads make priced a
+            # copy's long draft so dear that it was never tried, so never measured (an
+            # echoed text, every token accepted, verified 9 tokens at a time). The two
+            # longest made the exponent of a noisy step: a 4-row verify timed at 3.4
+            # one-row decodes after a 3-row one at 2.05 put it at 1, and the copy of a
+            # whole answer went on 2 tokens a round for 85 rounds (F16). An estimate too
+            # low is corrected by the one verify that tries it; too high, by none
+            a, b = min(below), max(below)
+            p = min(self.MAX_EXPONENT, max(0.5, math.log(max(T[b], 1e-12) / max(T[a], 1e-12)) / math.log(b / a)))
             return T[b] * (rows / b) ** p
         else:
             near = sorted(T, key=lambda r: abs(r - rows))[:2]
