@@ -528,6 +528,27 @@ def _copy_costs(planner: DraftPlanner) -> None:
             planner.observe_round(rows, long(rows), [0.05, 0.05, 0.05])
 
 
+def test_a_new_table_times_the_heads_with_one_sequence_drafting():
+    """Four sequences' first rounds (their cost table unknown): one of them drafts the
+    most, the one with the least to catch up on, until every draft step was timed; the
+    others' rows stay one a sequence (all four drafting made 16-row verifies, each after
+    four heads' catching up: a fresh server's four clients at temperature 1 ran at
+    0.89-0.93x MTP off)."""
+    planner = DraftPlanner(3)
+    pols = [planner.policy(regime(False, 1.0)) for _ in range(4)]
+    for j, p in enumerate(pols):
+        p.behind = (30, 40, 5, 90)[j]
+    out = planner.plan(pols, [3] * 4)
+    assert out == [0, 0, 3, 0], out
+    for _ in range(5):
+        assert sum(k > 0 for k in out) <= 1, out
+        rows = sum(out) + len(out)
+        planner.observe_round(rows, 0.01 * rows, [0.001] * max(out))
+        out = planner.plan(pols, [3] * 4)
+    # (each row count's and depth's first sample only warms it up)
+    assert planner.costs.known and sorted(planner.costs.verify_t.t) == [4, 7]
+
+
 def test_copies_are_costed_before_the_heads_ever_drafted():
     """An engine whose first requests were all copies (an agent's summaries) had its
     verify timed at two row counts and no head step: its copies must still be planned
@@ -592,8 +613,11 @@ def test_the_plan_takes_a_copy_that_pays_and_leaves_one_that_does_not():
     u.context = [0.999, 0.05, 0.05]
     n = planner.plan([u], [3])[0]
     assert u.use == "extend" and u.n_forced == 1 and n >= 2
-    # several sequences: the copies share the round's rows, within max_rows
+    # several sequences (their own table, costed alike): the copies fill the round's
+    # rows, within max_rows
+    planner.costs = planner.costs_for(2)
+    _copy_costs(planner)
     q = planner.policy(regime(True, 0.0))
     p.context, q.context = [0.99] * 62, [0.99] * 62
     lens = planner.plan([p, q], [3, 3])
-    assert sum(lens) + 2 <= 63 and p.use == q.use == "context"
+    assert 48 <= sum(lens) and sum(lens) + 2 <= 63 and "context" in (p.use, q.use), lens
