@@ -549,6 +549,30 @@ def test_a_new_table_times_the_heads_with_one_sequence_drafting():
     assert planner.costs.known and sorted(planner.costs.verify_t.t) == [4, 7]
 
 
+def test_a_row_count_timed_once_slow_does_not_keep_long_copies_out():
+    """A 63-row verify timed once in a preempted moment (3x its cost): until the count
+    has CREDIBLE_SAMPLES samples it costs at most what the trusted counts say, so a
+    sure copy is still drafted long (and times it again); timed slow every time, it is
+    believed and the copy goes shorter."""
+    planner = DraftPlanner(3)
+    planner.max_rows = 63
+    costs = planner.costs_for(1)
+    true = lambda r: 0.010 * r ** 0.75  # noqa: E731  (F16 on the bench model, ~)
+    for rows in (1, 2, 3, 4, 9, 17):
+        verifies(costs, [(rows, true(rows))] * 5)
+    verifies(costs, [(63, 3 * true(63))] * 2)  # (the first sample only warms it up)
+    for d in range(3):
+        costs.observe_step(d, 0.0006)
+        costs.observe_step(d, 0.0006)
+    p = planner.policy(regime(True, 0.0))
+    p.context = [0.998] * 62
+    n = planner.plan([p], [3])[0]
+    assert p.use == "context" and n >= 40, (p.use, n)
+    verifies(costs, [(63, 3 * true(63))] * 3)
+    n = planner.plan([p], [3])[0]
+    assert n < 40, n
+
+
 def test_copies_are_costed_before_the_heads_ever_drafted():
     """An engine whose first requests were all copies (an agent's summaries) had its
     verify timed at two row counts and no head step: its copies must still be planned

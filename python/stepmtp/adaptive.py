@@ -274,6 +274,13 @@ class RoundCosts:
         """Whether plans can be costed: a verify timed at two row counts, a draft step."""
         return len(self.verify_t.t) >= 2 and (bool(self.step_t.t) or not self.n_draft)
 
+    #: samples after which a row count's own estimate is trusted (``_fitted``)
+    CREDIBLE_SAMPLES = 3
+
+    #: past the longest row count measured, rows cost at most as on this power law (the
+    #: bench model's verifies on a CPU: 0.75 from 1 to 63 rows on F16, 0.80 on Q4_K_M)
+    MAX_EXPONENT = 0.8
+
     def _fitted(self) -> dict[int, float]:
         """The row counts' estimates made to rise with rows: where a count's estimate is
         below a smaller count's, the two are pooled, each weighing by its samples and
@@ -281,19 +288,25 @@ class RoundCosts:
         one timed often, either way."""
         if self._fit is None:
             T = self.verify_t
+            est = dict(T.t)
+            # a count timed fewer than CREDIBLE_SAMPLES times costs at most what the
+            # trusted counts say it does: one sample in a preempted moment (2x, 100x)
+            # otherwise priced its row count out for good, since only the plans that use
+            # a count time it (a 63-row verify timed once slow kept every long copy out)
+            trusted = {r: t for r, t in est.items() if T.n[r] >= self.CREDIBLE_SAMPLES}
+            if len(trusted) >= 2:
+                for r in est:
+                    if r not in trusted:
+                        est[r] = min(est[r], self._read_off(trusted, r))
             blocks: list[tuple[float, float, list[int]]] = []  # (weighted sum, weight, row counts)
-            for r in sorted(T.t):
+            for r in sorted(est):
                 w = max(T.weight(r, self.rounds), 1e-6)
-                blocks.append((T.t[r] * w, w, [r]))
+                blocks.append((est[r] * w, w, [r]))
                 while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
                     (s1, w1, r1), (s2, w2, r2) = blocks[-2], blocks.pop()
                     blocks[-1] = (s1 + s2, w1 + w2, r1 + r2)
             self._fit = {r: total / w for total, w, rows in blocks for r in rows}
         return self._fit
-
-    #: past the longest row count measured, rows cost at most as on this power law (the
-    #: bench model's verifies on a CPU: 0.75 from 1 to 63 rows on F16, 0.80 on Q4_K_M)
-    MAX_EXPONENT = 0.8
 
     def verify(self, rows: int) -> float:
         """Seconds of the verify part of a round of ``rows`` rows: its own estimate, or
@@ -302,7 +315,11 @@ class RoundCosts:
         estimates made to rise with rows (``_fitted``): a row count's estimate below a
         smaller count's is noise (samples from another minute) that had the plan draft
         where it lost."""
-        T = self._fitted()
+        return self._read_off(self._fitted(), rows)
+
+    @classmethod
+    def _read_off(cls, T: dict[int, float], rows: int) -> float:
+        """``rows``' estimate in the table ``T`` of row counts' estimates (see ``verify``)."""
         if rows in T:
             return T[rows]
         if not T:
@@ -324,7 +341,7 @@ class RoundCosts:
             # whole answer went on 2 tokens a round for 85 rounds (F16). An estimate too
             # low is corrected by the one verify that tries it; too high, by none
             a, b = min(below), max(below)
-            p = min(self.MAX_EXPONENT, max(0.5, math.log(max(T[b], 1e-12) / max(T[a], 1e-12)) / math.log(b / a)))
+            p = min(cls.MAX_EXPONENT, max(0.5, math.log(max(T[b], 1e-12) / max(T[a], 1e-12)) / math.log(b / a)))
             return T[b] * (rows / b) ** p
         else:
             near = sorted(T, key=lambda r: abs(r - rows))[:2]
