@@ -768,41 +768,39 @@ class DraftPlanner:
     EXPLORE_DRAFTING = 8
 
     def _explore_plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
-        """Before the costs are known: one sequence drafts the most until each draft
-        step was timed (a shape's first round is not, nor one where a head first
-        caught up on a prompt), then none until a second row count was. One: a step
+        """Before the costs are known: the copies first (below), then one sequence not
+        copying drafts the most, in the rows left, until each draft step was timed (a
+        shape's first round is not, nor one where a head first caught up on a prompt),
+        then none until a second row count was. One: a step
         costs the heads' weights read, about the same for one sequence's row as for
         four, and its verify times a second row count as well as theirs would; every
         sequence drafting made four clients' first rounds 16-row verifies, each after
         four heads' catching up, and at temperature 1 (drafts accepted 0.36) a fresh
         server's four clients ran at 0.89-0.93x MTP off (bench model, F16)."""
-        out = [0] * len(seqs)
-        if len(self.costs.step_t.t) < self.n_draft and self.costs.explored < self.EXPLORE_DRAFTING:
-            able = [j for j, (p, c) in enumerate(zip(seqs, caps)) if c > 0 and c >= p.n_min]
-            if able:
-                self.costs.explored += 1
-                j = min(able, key=lambda j: seqs[j].behind)  # the least to catch up on
-                out[j] = min(self.n_draft, caps[j])
-        if len(self.costs.verify_t.t) >= 2 and any(p.context for p in seqs):
+        N = len(seqs)
+        if len(self.costs.verify_t.t) >= 2:
             # the verify is costed: a copy drafts the length its rows are worth. The heads'
             # steps play no part in that, and where only copies drafted they were never
             # timed: such an engine planned its copies as below for good (an agent's
             # summaries on the bench model's Q4_K_M: a 63-row verify, ~300 ms, for an
             # expected 1.4 to 8 tokens, in the first rounds of each turn)
-            fixed, _, rows = self._choose(seqs, [0] * len(seqs), [p.accept for p in seqs], self.max_rows)
-            room = self.max_rows - len(seqs) - rows
-            for j, f in enumerate(fixed):
-                out[j] = f or max(0, min(out[j], room))
-                room -= 0 if f else out[j]
-            return out
-        room = self.max_rows - len(seqs) - sum(out)
-        for j, p in enumerate(seqs):
-            # a copy is worth its rows whatever they cost yet: a token and a half a round or more
-            m = min(len(p.context or ()), room + out[j])
-            if m > 0 and expected_tokens(p.context, m) >= 1.5:
-                room -= m - out[j]
-                p.use, p.n_forced = "context", m
-                out[j] = m
+            out, _, rows = self._choose(seqs, [0] * N, [p.accept for p in seqs], self.max_rows)
+        else:
+            out, rows = [0] * N, 0
+            for j, p in enumerate(seqs):
+                # a copy is worth its rows whatever they cost yet: a token and a half a round or more
+                m = min(len(p.context or ()), self.max_rows - N - rows)
+                if m > 0 and expected_tokens(p.context, m) >= 1.5:
+                    rows += m
+                    p.use, p.n_forced = "context", m
+                    out[j] = m
+        room = self.max_rows - N - rows
+        if room > 0 and len(self.costs.step_t.t) < self.n_draft and self.costs.explored < self.EXPLORE_DRAFTING:
+            able = [j for j, (p, c) in enumerate(zip(seqs, caps)) if not out[j] and c > 0 and c >= p.n_min]
+            if able:
+                self.costs.explored += 1
+                j = min(able, key=lambda j: seqs[j].behind)  # the least to catch up on
+                out[j] = min(self.n_draft, caps[j], room)
         return out
 
     #: the lengths a context draft is planned at (and any shorter whole proposal): few

@@ -456,19 +456,19 @@ def run_clients(n_clients: int, jobs: Sequence[Callable[[], Any]], what: str = "
 def completion(url: str, body: dict[str, Any], timeout: float, api_key: str | None = None) -> dict[str, Any]:
     """POST ``body`` to ``url``/completion: the response's JSON, or a RuntimeError with the
     HTTP status and the start of the server's answer."""
-    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"{url}/completion: HTTP {e.code}: {e.read()[:500]!r}") from None
+    status, resp = _http(url + "/completion", body, timeout, api_key)
+    if status != 200:
+        raise RuntimeError(f"{url}/completion: HTTP {status}: {str(resp)[:500]!r}")
+    return resp
 
 
-def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> tuple[int, Any]:
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0,
+          api_key: str | None = None) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
