@@ -592,6 +592,28 @@ def test_copies_are_costed_before_the_heads_ever_drafted():
     assert p.use == "context" and n >= 16 and p.n_forced == n
 
 
+def test_a_new_tables_copies_are_costed_by_the_nearest_known_table():
+    """Two clients left of four (their table new, nothing timed yet): a copy is costed
+    by the four clients' table, not drafted whole because it is worth a token and a
+    half (a 56-row verify for 1.5 tokens, Q4_K_M); a sure copy is still drafted long."""
+    planner = DraftPlanner(3)
+    planner.max_rows = 63
+    planner.costs = planner.costs_for(4)
+    long = lambda r: 0.010 * r ** 0.8  # noqa: E731  (a CPU's verifies, ~)
+    for _ in range(12):
+        for rows in (4, 5, 8, 12, 16, 32, 63):
+            planner.observe_round(rows, long(rows), [0.001, 0.001, 0.001])
+    assert planner.costs.known
+    pols = [planner.policy(regime(True, 0.0)) for _ in range(2)]
+    pols[1].context = [0.75] * 3 + [0.5] * 59  # worth ~1.6 tokens, whatever its length
+    out = planner.plan(pols, [3, 3])
+    assert not planner.costs.known  # (the two clients' own table: nothing timed)
+    assert out[1] <= 8, out
+    pols[1].context = [0.999] * 62
+    out = planner.plan(pols, [3, 3])
+    assert pols[1].use == "context" and out[1] >= 24, out
+
+
 def test_a_noisy_short_verify_does_not_keep_long_copies_out():
     """Only the heads' short verifies timed, the longest of them in a slow minute (F16,
     ms: 1 row 12.0, 2 rows 19.8, 3 rows 24.6, 4 rows 40.4): a copy every token of which

@@ -778,13 +778,18 @@ class DraftPlanner:
         four heads' catching up, and at temperature 1 (drafts accepted 0.36) a fresh
         server's four clients ran at 0.89-0.93x MTP off (bench model, F16)."""
         N = len(seqs)
-        if len(self.costs.verify_t.t) >= 2:
+        lender = self.costs if len(self.costs.verify_t.t) >= 2 else self._lender(N)
+        if lender is not None:
             # the verify is costed: a copy drafts the length its rows are worth. The heads'
             # steps play no part in that, and where only copies drafted they were never
             # timed: such an engine planned its copies as below for good (an agent's
             # summaries on the bench model's Q4_K_M: a 63-row verify, ~300 ms, for an
             # expected 1.4 to 8 tokens, in the first rounds of each turn)
-            out, _, rows = self._choose(seqs, [0] * N, [p.accept for p in seqs], self.max_rows)
+            own, self.costs = self.costs, lender
+            try:
+                out, _, rows = self._choose(seqs, [0] * N, [p.accept for p in seqs], self.max_rows)
+            finally:
+                self.costs = own
         else:
             out, rows = [0] * N, 0
             for j, p in enumerate(seqs):
@@ -802,6 +807,21 @@ class DraftPlanner:
                 j = min(able, key=lambda j: seqs[j].behind)  # the least to catch up on
                 out[j] = min(self.n_draft, caps[j], room)
         return out
+
+    def _lender(self, n_seqs: int) -> RoundCosts | None:
+        """The table a new one's copies are costed by until it timed two row counts of
+        its own: the known one nearest in sequences (a round's cost is its rows', whoever
+        they are: on the bench model, 16 rows cost the same as one sequence's or as 13 of
+        one and 1 of three others, Q4_K_M and F16), of rounds that sample where this one
+        does. Planned as if nothing were timed, the first rounds of two or three clients
+        (four clients' requests ending one by one) copied the whole proposal, a 56-row
+        verify for the 1.5 tokens it was worth: in-process, eight requests at four
+        clients (Q4_K_M, t=0) lost ~0.8 s of ~12 s so, and ran at 0.92-0.95x plain
+        decoding's speed, 1.02x costed by their nearest table (rounds priced at the
+        runs' median cost of their shape, the machine's drift left out)."""
+        sampled = self.costs is self._tables.get((n_seqs, True))
+        known = [(abs(k[0] - n_seqs), k[1] != sampled, c) for k, c in self._tables.items() if c.known]
+        return min(known, key=lambda x: x[:2])[2] if known else None
 
     #: the lengths a context draft is planned at (and any shorter whole proposal): few
     #: row counts, each timed often enough to be costed (and few graph shapes to keep)
