@@ -614,6 +614,36 @@ def test_a_new_tables_copies_are_costed_by_the_nearest_known_table():
     assert pols[1].use == "context" and out[1] >= 24, out
 
 
+def test_a_new_table_is_planned_by_a_known_one_of_its_kind():
+    """Three clients left of four, sampling (their table new): where the four clients'
+    table says drafting loses, none of the three drafts to time the heads again (at
+    temperature 1 that exploring drafted n-max at 0.6-0.8x plain decoding's rate); a
+    table of greedy rounds does not lend to sampled ones (their drafts cost more)."""
+    planner = DraftPlanner(3)
+    planner.max_rows = 63
+    planner.costs = planner.costs_for(4, sampled=True)
+    for _ in range(12):
+        for rows in (4, 5, 8, 12):
+            planner.observe_round(rows, cpu_verify(rows), [0.05, 0.05, 0.05])
+    assert planner.costs.known
+    key = regime(False, 1.0, True)
+    pols = [planner.policy(key) for _ in range(3)]
+    for p in pols:
+        for _ in range(40):
+            p.observe(1, 0)  # drafts seldom accepted
+    for _ in range(8):
+        assert planner.plan(pols, [3] * 3) == [0, 0, 0]
+        planner.observe_round(3, cpu_verify(3), [])
+    assert not planner.costs.known  # (its own table: no step timed)
+    greedy = DraftPlanner(3)
+    greedy.costs = greedy.costs_for(4)
+    for _ in range(12):
+        for rows in (4, 5, 8, 12):
+            greedy.observe_round(rows, cpu_verify(rows), [0.05, 0.05, 0.05])
+    pols = [greedy.policy(key) for _ in range(3)]
+    assert sum(greedy.plan(pols, [3] * 3)) == 3  # explores: one sequence drafts n-max
+
+
 def test_a_noisy_short_verify_does_not_keep_long_copies_out():
     """Only the heads' short verifies timed, the longest of them in a slow minute (F16,
     ms: 1 row 12.0, 2 rows 19.8, 3 rows 24.6, 4 rows 40.4): a copy every token of which

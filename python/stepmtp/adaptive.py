@@ -704,7 +704,16 @@ class DraftPlanner:
         self._accepts = None
         for p in seqs:
             p.use, p.n_forced = "heads", 0
-        if not self.costs.known:
+        lender = None if self.costs.known else self._lender(len(seqs), alike=True)
+        if lender is not None:
+            # a new table of a kind of round already costed: planned on that one's costs
+            # while it learns its own (``_lender``), with no exploring
+            own, self.costs = self.costs, lender
+            try:
+                out = self._best_plan(seqs, caps)
+            finally:
+                self.costs = own
+        elif not self.costs.known:
             out = self._explore_plan(seqs, caps)
         elif self._quiet_round(seqs):
             out = [0] * len(seqs)
@@ -768,8 +777,10 @@ class DraftPlanner:
     EXPLORE_DRAFTING = 8
 
     def _explore_plan(self, seqs: Sequence[SeqPolicy], caps: Sequence[int]) -> list[int]:
-        """Before the costs are known: the copies first (below), then one sequence not
-        copying drafts the most, in the rows left, until each draft step was timed (a
+        """Before the costs are known (an engine's first table of its kind: a later one
+        is planned on a known one's costs, ``_lender``): the copies first (below), then
+        one sequence not copying drafts the most, in the rows left, until each draft
+        step was timed (a
         shape's first round is not, nor one where a head first caught up on a prompt),
         then none until a second row count was. One: a step
         costs the heads' weights read, about the same for one sequence's row as for
@@ -808,19 +819,23 @@ class DraftPlanner:
                 out[j] = min(self.n_draft, caps[j], room)
         return out
 
-    def _lender(self, n_seqs: int) -> RoundCosts | None:
-        """The table a new one's copies are costed by until it timed two row counts of
-        its own: the known one nearest in sequences (a round's cost is its rows', whoever
-        they are: on the bench model, 16 rows cost the same as one sequence's or as 13 of
-        one and 1 of three others, Q4_K_M and F16), of rounds that sample where this one
-        does. Planned as if nothing were timed, the first rounds of two or three clients
-        (four clients' requests ending one by one) copied the whole proposal, a 56-row
-        verify for the 1.5 tokens it was worth: in-process, eight requests at four
-        clients (Q4_K_M, t=0) lost ~0.8 s of ~12 s so, and ran at 0.92-0.95x plain
-        decoding's speed, 1.02x costed by their nearest table (rounds priced at the
-        runs' median cost of their shape, the machine's drift left out)."""
+    def _lender(self, n_seqs: int, alike: bool = False) -> RoundCosts | None:
+        """The known table a new one is planned by until it knows its own costs: the one
+        nearest in sequences (a round's cost is its rows', whoever they are: on the bench
+        model, 16 rows cost the same as one sequence's or as 13 of one and 1 of three
+        others, Q4_K_M and F16), of rounds that sample where this one does (``alike``:
+        only such a one; a sampled draft costs more than a greedy one's row). Planned as
+        if nothing were timed, the first rounds of two or three clients (four clients'
+        requests ending one by one) copied the whole proposal, a 56-row verify for the
+        1.5 tokens it was worth: in-process, eight requests at four clients (Q4_K_M,
+        t=0) lost ~0.8 s of ~12 s so, and ran at 0.92-0.95x plain decoding's speed,
+        1.02x costed by their nearest table (rounds priced at the runs' median cost of
+        their shape, the machine's drift left out); and at temperature 1 one sequence
+        drafted n-max to time the heads, again (F16: 12 rounds in 3 runs at 0.6-0.8x
+        plain decoding's rate)."""
         sampled = self.costs is self._tables.get((n_seqs, True))
-        known = [(abs(k[0] - n_seqs), k[1] != sampled, c) for k, c in self._tables.items() if c.known]
+        known = [(abs(k[0] - n_seqs), k[1] != sampled, c) for k, c in self._tables.items()
+                 if c.known and c is not self.costs and (not alike or k[1] == sampled)]
         return min(known, key=lambda x: x[:2])[2] if known else None
 
     #: the lengths a context draft is planned at (and any shorter whole proposal): few
