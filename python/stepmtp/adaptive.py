@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import math
 from typing import Sequence
 
@@ -696,7 +697,8 @@ class DraftPlanner:
         be), the round's verify carrying at most ``max_rows`` rows. Each sequence's
         ``use`` and ``n_forced`` say what its drafts are."""
         self._rounds += 1
-        self.costs = self.costs_for(len(seqs), any(p.samples for p in seqs))
+        sampled = any(p.samples for p in seqs)
+        self.costs = self.costs_for(len(seqs), sampled)
         self.costs.rounds += 1
         for p in seqs:
             p.rounds += 1
@@ -704,21 +706,16 @@ class DraftPlanner:
         self._accepts = None
         for p in seqs:
             p.use, p.n_forced = "heads", 0
-        lender = None if self.costs.known else self._lender(len(seqs), alike=True)
-        if lender is not None:
-            # a new table of a kind of round already costed: planned on that one's costs
-            # while it learns its own (``_lender``), with no exploring
-            own, self.costs = self.costs, lender
-            try:
-                out = self._best_plan(seqs, caps)
-            finally:
-                self.costs = own
-        elif not self.costs.known:
+        # a new table of a kind of round already costed is planned on that one's costs
+        # while it learns its own (``_lender``), as a known one is, with no exploring
+        costs = self.costs if self.costs.known else self._lender(len(seqs), sampled, alike=True)
+        if costs is None:
             out = self._explore_plan(seqs, caps)
         elif self._quiet_round(seqs):
             out = [0] * len(seqs)
         else:
-            out = self._best_plan(seqs, caps)
+            with self._costed_by(costs):
+                out = self._best_plan(seqs, caps)
         # the drafts go to the verify as planned, or fewer where their heads were unsure
         # (``SeqPolicy.keep``): not while the costs are unknown, nor in a probe (which
         # also tries the drafts a gate would keep out, so its record of them stays current)
@@ -780,27 +777,24 @@ class DraftPlanner:
         """Before the costs are known (an engine's first table of its kind: a later one
         is planned on a known one's costs, ``_lender``): the copies first (below), then
         one sequence not copying drafts the most, in the rows left, until each draft
-        step was timed (a
-        shape's first round is not, nor one where a head first caught up on a prompt),
-        then none until a second row count was. One: a step
-        costs the heads' weights read, about the same for one sequence's row as for
-        four, and its verify times a second row count as well as theirs would; every
+        step was timed (a shape's first round is not, nor one where a head first caught
+        up on a prompt), then none until a second row count was. One: a step costs the
+        heads' weights read, about the same for one sequence's row as for four, and its
+        verify times a second row count as well as theirs would; every
         sequence drafting made four clients' first rounds 16-row verifies, each after
         four heads' catching up, and at temperature 1 (drafts accepted 0.36) a fresh
         server's four clients ran at 0.89-0.93x MTP off (bench model, F16)."""
         N = len(seqs)
-        lender = self.costs if len(self.costs.verify_t.t) >= 2 else self._lender(N)
-        if lender is not None:
+        costs = self.costs if len(self.costs.verify_t.t) >= 2 else \
+            self._lender(N, any(p.samples for p in seqs))
+        if costs is not None:
             # the verify is costed: a copy drafts the length its rows are worth. The heads'
             # steps play no part in that, and where only copies drafted they were never
             # timed: such an engine planned its copies as below for good (an agent's
             # summaries on the bench model's Q4_K_M: a 63-row verify, ~300 ms, for an
             # expected 1.4 to 8 tokens, in the first rounds of each turn)
-            own, self.costs = self.costs, lender
-            try:
+            with self._costed_by(costs):
                 out, _, rows = self._choose(seqs, [0] * N, [p.accept for p in seqs], self.max_rows)
-            finally:
-                self.costs = own
         else:
             out, rows = [0] * N, 0
             for j, p in enumerate(seqs):
@@ -819,7 +813,7 @@ class DraftPlanner:
                 out[j] = min(self.n_draft, caps[j], room)
         return out
 
-    def _lender(self, n_seqs: int, alike: bool = False) -> RoundCosts | None:
+    def _lender(self, n_seqs: int, sampled: bool, alike: bool = False) -> RoundCosts | None:
         """The known table a new one is planned by until it knows its own costs: the one
         nearest in sequences (a round's cost is its rows', whoever they are: on the bench
         model, 16 rows cost the same as one sequence's or as 13 of one and 1 of three
@@ -833,10 +827,19 @@ class DraftPlanner:
         their shape, the machine's drift left out); and at temperature 1 one sequence
         drafted n-max to time the heads, again (F16: 12 rounds in 3 runs at 0.6-0.8x
         plain decoding's rate)."""
-        sampled = self.costs is self._tables.get((n_seqs, True))
         known = [(abs(k[0] - n_seqs), k[1] != sampled, c) for k, c in self._tables.items()
                  if c.known and c is not self.costs and (not alike or k[1] == sampled)]
         return min(known, key=lambda x: x[:2])[2] if known else None
+
+    @contextlib.contextmanager
+    def _costed_by(self, costs: RoundCosts):  # noqa: ANN202 - a context manager
+        """Plans made inside are costed by ``costs`` (the round's own table, or a
+        lender's); the round's timings still go to its own table."""
+        own, self.costs = self.costs, costs
+        try:
+            yield
+        finally:
+            self.costs = own
 
     #: the lengths a context draft is planned at (and any shorter whole proposal): few
     #: row counts, each timed often enough to be costed (and few graph shapes to keep)
