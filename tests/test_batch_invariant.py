@@ -287,8 +287,10 @@ def test_flash_attention_rows_change_no_bit(tmp_path):
 def test_f16_tiles_change_no_bit(tmp_path):
     """Patch 0016 multiplies F16 weights by a few rows at a time in tiles, dense products
     of a decode's rows and an expert's rows of any batch (a prompt's too); every pair must
-    keep the sum of ggml_vec_dot_f16, the one-pair loop (GGML_CPU_F16_TILES=0): the tiny
-    model with every matrix F16, its logits compared bit for bit."""
+    keep the sum of the one-pair loop (GGML_CPU_F16_TILES=0): ggml_vec_dot_f16's, or on
+    AVX2 builds patch 0021's one chain, whose tiles have other shapes again (4 weight rows
+    for a decode's row, 6 / 4 / 3 for 2 / 3 / 4 rows). The tiny model with every matrix
+    F16, its logits compared bit for bit."""
     path = _f16_tiny(tmp_path)
     tiles = _child(F16_LOGITS, str(path))
     loops = _child(F16_LOGITS, str(path), GGML_CPU_F16_TILES="0")
