@@ -947,6 +947,8 @@ class MTPDriver:
         if s.n_point:
             k = min(n, s.n_point)
             self.C.accepted(s, k, min(a, k))
+        elif s.proposal is not None:
+            self.C.judge_undrafted(s, out)
         if s.trace is not None:
             cells = [(d.seq_pos_min(s.seq_id), d.seq_pos_max(s.seq_id)) if d is not None else (-1, -1)
                      for d in self.drafts]
