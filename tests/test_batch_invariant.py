@@ -284,6 +284,19 @@ def test_flash_attention_rows_change_no_bit(tmp_path):
     assert together == loop
 
 
+def test_flash_attention_span_changes_no_bit(tmp_path):
+    """Patch 0022 runs flash attention's cell loop over the span between a row's first
+    and last unmasked cells only: the tiny model's sliding-window layers (a window of 16
+    in a ring of the whole cache) and the causal tails leave most cells out, and every
+    row must keep what visiting each cell gave (GGML_CPU_FA_SPAN=0), bit for bit, alone
+    and in verifies of 4, 13 and 40 rows."""
+    path = _f16_tiny(tmp_path)
+    span = _child(FA_LOGITS, str(path))
+    every = _child(FA_LOGITS, str(path), GGML_CPU_FA_SPAN="0")
+    assert span["lone"] and every["lone"]
+    assert span == every
+
+
 def test_f16_tiles_change_no_bit(tmp_path):
     """Patch 0016 multiplies F16 weights by a few rows at a time in tiles, dense products
     of a decode's rows and an expert's rows of any batch (a prompt's too); every pair must
