@@ -129,17 +129,17 @@ def test_a_proposal_not_drafted_is_judged_by_the_tokens_emitted():
     prop = ContextProposal(tokens=[5] * 62, match=[64] * 62, share=[1.0] * 62)
     s = SimpleNamespace(proposal=prop, proposer=0, rejection=False, ctx=[None],
                         sampler=SimpleNamespace(greedy=True, params=SimpleNamespace(temperature=0.0)))
-    cd.accepted(s, 24, 0)  # the long draft, rejected at once
+    cd.judge(s, [6], 24)  # the long draft, rejected at once
     low = cd.record(s).accepts(prop)
     assert low[0] < 0.75 and expected_tokens(low, 62) < 5
     for _ in range(20):
-        cd.judge_undrafted(s, [5, 5, 5, 5])  # the heads' three drafts and the bonus: all the proposal's
+        cd.judge(s, [5, 5, 5, 5], 0)  # the heads' three drafts and the bonus: all the proposal's
     high = cd.record(s).accepts(prop)
     assert min(high[:4]) > 0.9 and expected_tokens(high, 62) > 3 * expected_tokens(low, 62)
     # a round whose second token is another: the first place accepted, the second rejected
     rec = cd.record(s)
     before = [row[:] for row in rec.judged]
-    cd.judge_undrafted(s, [5, 6, 7])
+    cd.judge(s, [5, 6, 7], 0)
     judged = sum(map(sum, rec.judged)) - sum(x * ContextRecord.DECAY ** 2 for row in before for x in row)
     assert judged == pytest.approx(2.0)
     assert cd.record(s).accepts(prop)[1] < high[1]

@@ -97,7 +97,7 @@ from .drafters.heads import Heads, _masked
 from .llama import Batch, Context, KVFullError, LlamaError, cpu_only
 from .prompt_cache import Checkpoint, HostPromptCache, SlotState, heads_path, read_heads, write_heads
 from .sampling import DraftShaper, TokenProbs, chain_probs, raw_probs, verify_rejection
-from .sequence import Anchors, Mode, RoundTrace, Schedule, SeqState, SpecConfig, Verify
+from .sequence import Anchors, Mode, RoundTrace, Schedule, SeqState, SpecConfig, Verify, common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -135,18 +135,6 @@ class _Cache:
 
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 
@@ -944,11 +932,8 @@ class MTPDriver:
         s.stats.count_round(n, a, min(n, s.n_point))
         if s.policy is not None:
             s.policy.observe(n, a)
-        if s.n_point:
-            k = min(n, s.n_point)
-            self.C.accepted(s, k, min(a, k))
-        elif s.proposal is not None:
-            self.C.judge_undrafted(s, out)
+        if s.proposal is not None:
+            self.C.judge(s, out, min(n, s.n_point))
         if s.trace is not None:
             cells = [(d.seq_pos_min(s.seq_id), d.seq_pos_max(s.seq_id)) if d is not None else (-1, -1)
                      for d in self.drafts]

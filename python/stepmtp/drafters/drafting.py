@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..adaptive import expected_tokens, regime
 from . import make_proposers
-from ..sequence import SeqState
+from ..sequence import SeqState, common_prefix
 from .context import ContextPool, ContextRecord
 
 # (the driver is mtp's, which imports this module: named in annotations, not imported)
@@ -38,29 +38,21 @@ class ContextDrafting:
         for pr, st in zip(self.proposers, s.ctx):
             pr.finish(st)
 
-    def accepted(self, s: "SeqState", n_drafted: int, n_accepted: int) -> None:
-        """The round verified ``n_drafted`` of the proposal's tokens, accepted ``n_accepted``."""
-        self.record(s).observe(s.proposal, n_drafted, n_accepted)
-        self.proposers[s.proposer].accepted(s.ctx[s.proposer], n_drafted, n_accepted)
-
-    def judge_undrafted(self, s: "SeqState", out: list[int]) -> None:
-        """A proposal the round did not draft, judged against the tokens the target
-        emitted (``out``): at temperature 0 its draft would have been accepted exactly as
-        far as it equals them, and under rejection sampling a point draft is accepted
-        with the chance the target samples its token, the chance that the token emitted
-        at its place is that token. So the record learns from every round, not only from
-        those that drafted the context: one long draft rejected at its first token had
-        left the first place's rate low for good while the heads drafted (a loop the
-        context proposed 62 tokens of, written in 3-token head drafts for 40 rounds,
-        every one accepted)."""
-        toks = s.proposal.tokens
-        k = min(len(toks), len(out))
-        a = 0
-        while a < k and toks[a] == out[a]:
-            a += 1
-        if k:
-            self.record(s).observe(s.proposal, k, a)
-
+    def judge(self, s: "SeqState", out: list[int], n_drafted: int) -> None:
+        """The round's proposal judged against the tokens the target emitted (``out``),
+        whether the round drafted its first ``n_drafted`` tokens or none of them: at
+        temperature 0 a draft of it is accepted exactly as far as it equals them, and
+        under rejection sampling a point draft is accepted with the chance the target
+        samples its token, the chance that the token emitted at its place is that token.
+        So the record learns from every round, not only from those that drafted the
+        context: one long draft rejected at its first token had left the first place's
+        rate low for good while the heads drafted (a loop the context proposed 62 tokens
+        of, written in 3-token head drafts for 40 rounds, every one accepted)."""
+        prop = s.proposal
+        a = common_prefix(prop.tokens, out)
+        self.record(s).observe(prop, min(len(prop.tokens), len(out)), a)
+        if n_drafted:
+            self.proposers[s.proposer].accepted(s.ctx[s.proposer], n_drafted, min(a, n_drafted))
 
     def pool(self, key: object) -> ContextPool | None:
         """The pool of earlier sequences' tokens under ``key`` (None: none kept)."""
