@@ -160,3 +160,46 @@ def test_a_draw_is_the_whole_rows_draw():
         c = np.cumsum(row)
         want = int(min(np.searchsorted(c, ref.rng.random() * c[-1], side="right"), len(c) - 1))
         assert s.draw(row) == want
+
+
+def test_largest_is_a_full_partitions_top_k():
+    """sampling.largest reads a threshold off a strided sketch and partitions only what
+    passes it: the same k entries as a partition of the whole row, on rows shaped like
+    logits, flat ones, masked ones (-inf), with NaN, ties at the k-th value, and k from
+    1 to most of the row."""
+    from stepmtp.sampling import largest
+
+    rng = np.random.default_rng(7)
+    rows = [rng.normal(size=128_896).astype(np.float32) * 3,
+            rng.normal(size=50_000) * 0.01,  # nearly flat
+            np.zeros(70_000, dtype=np.float32),  # flat: every entry ties
+            np.round(rng.normal(size=128_896) * 2).astype(np.float32),  # many ties at each value
+            rng.normal(size=300).astype(np.float32)]  # a small vocabulary: partitioned whole
+    masked = rng.normal(size=128_896).astype(np.float32)
+    masked[rng.random(128_896) < 0.99] = -np.inf  # a grammar's mask: ~1,300 left
+    rows.append(masked)
+    nan = rng.normal(size=128_896).astype(np.float32) * 3
+    nan[rng.choice(128_896, 50, replace=False)] = np.nan
+    nan[int(np.nanargmax(nan)) + 1] = np.nan  # beside the largest
+    rows.append(nan)
+    for row in rows:
+        order = np.sort(row[~np.isnan(row)])[::-1]
+        for k in sorted({min(k, order.shape[0]) for k in (1, 2, 10, 40, 100, 1000, row.shape[0] // 3)}):
+            got = largest(row, k)
+            assert got.shape == (k,) and len(set(got.tolist())) == k
+            assert not np.isnan(row[got]).any()
+            # the values are the k largest (which of equal ones at the k-th is free)
+            assert np.array_equal(np.sort(row[got])[::-1], order[:k])
+
+
+def test_top_k_stage_orders_by_value_then_token_id():
+    """The top-k stage keeps the k largest logits, most likely first, equal logits by
+    token id: the distribution after it is the one computed directly."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=128_896).astype(np.float32) * 3
+    logits[[17, 90_001, 4_242]] = logits.max() + 1.0  # a three-way tie for the best
+    ids, probs = Sampler(SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0)).distribution(logits)
+    want = np.lexsort((np.arange(logits.shape[0]), -logits.astype(np.float64)))[:40]
+    assert ids.tolist() == want.tolist()
+    assert ids[:3].tolist() == [17, 4_242, 90_001]
+    assert np.allclose(probs, softmax(logits[want]))
