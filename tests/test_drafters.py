@@ -305,3 +305,22 @@ def test_ngram_cache_reads_llama_cpps_files(tmp_path):
         read_lookup_cache(bad)
     with pytest.raises(ValueError, match="unknown"):
         make_ngram("ngram-nope", None)
+
+
+def test_one_sequence_drafts_the_context_as_far_as_a_verify_carries():
+    """With llama-server's slots (4, one cache), a sequence's context draft may fill the
+    whole verify (63 rows on the CPU), not its share of a decode's rows were every slot
+    busy (the rows one sliding-window region takes, over 4: 31 drafts, where the C++
+    server's n-gram drafts 64): the round's rows are what the plan bounds. Plain
+    decoding's text still, drafts and all."""
+    prompt = COPY * 12 + COPY[:20]
+    kw = dict(n_ctx=4096, n_parallel=4, kv_unified=True)
+    with Engine(default_model_path(), mode="none", **kw) as eng:
+        want = eng.generate(prompt, n_predict=192, temperature=0).tokens
+    with Engine(default_model_path(), mode="chain", debug=True, **kw) as eng:
+        drv = eng.driver
+        assert drv.n_rows_seq - 1 < drv.max_verify_rows - 1  # (the case: a region's rows over the slots)
+        outs = [eng.generate(prompt, n_predict=192, temperature=0) for _ in range(3)]
+    assert [o.tokens for o in outs] == [want] * 3
+    longest = max(len(r.drafts) for o in outs for r in o.trace)
+    assert drv.n_rows_seq - 1 < longest <= drv.max_verify_rows - 1

@@ -75,9 +75,13 @@ class ContextDrafting:
     def propose(self, seqs: list[SeqState]) -> None:
         """Each sequence's context proposal this round: the one of its proposers that
         promises the most tokens, with each token's chance of acceptance (for the plan)."""
+        # the round's rows bound a proposal, not a sequence's share of a decode's were
+        # every slot busy (n_rows_seq: with llama-server's 4 slots a quarter of a
+        # sliding-window region's rows, 31 drafts on the bench model where the C++
+        # server's n-gram drafts 64); the plan and fit_rows keep the round within them
         rows = self.drv.max_verify_rows - len(seqs)
         for s in seqs:
-            cap = min(self.spec.context_max, self.drv.n_ctx_seq - 1 - s.pos, self.drv.n_rows_seq - 1, rows)
+            cap = min(self.spec.context_max, self.drv.n_ctx_seq - 1 - s.pos, rows)
             if s.budget > 0:
                 cap = min(cap, s.budget - 1)  # (tokens past the request's end are wasted rows)
             best, best_e, best_acc = None, 1.0, None
