@@ -324,3 +324,28 @@ def test_one_sequence_drafts_the_context_as_far_as_a_verify_carries():
     assert [o.tokens for o in outs] == [want] * 3
     longest = max(len(r.drafts) for o in outs for r in o.trace)
     assert drv.n_rows_seq - 1 < longest <= drv.max_verify_rows - 1
+
+
+def test_one_sources_proposal_by_slices_is_the_walks():
+    """A proposal from one source is taken by slices (``_continuation``), not walked step
+    by step (``_walk``, which several sources take): the same tokens, match lengths and
+    shares, for a source in another text (ending before the cap or not) and for one in
+    the sequence itself that reads on into its own proposal."""
+    from stepmtp.drafters.context import MAX_MATCH, _Source
+
+    rng = random.Random(3)
+    for trial in range(400):
+        t = _text(rng.randrange(8, 200), seed=trial, vocab=rng.choice([3, 50, 1000]))
+        n = len(t)
+        if trial % 2:
+            other = _text(rng.randrange(1, 120), seed=1000 + trial)
+            s = _Source(other, rng.randrange(0, len(other) + 1), rng.randrange(1, MAX_MATCH + 1))
+        else:
+            s = _Source(t, rng.randrange(0, n), rng.randrange(1, MAX_MATCH + 1))
+        cap = rng.randrange(1, 70)
+        got = ContextDrafter._continuation([s], cap, n, t)
+        want = ContextDrafter._walk([_Source(s.tokens, s.j, s.match)], cap, n, t)
+        if want is None:
+            assert got is None
+        else:
+            assert (got.tokens, got.match, got.share) == (want.tokens, want.match, want.share)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -225,8 +226,28 @@ class ContextDrafter:
             m += 1
         return m
 
+    @classmethod
+    def _continuation(cls, sources: list[_Source], cap: int, n: int, t: list[int]) -> ContextProposal | None:
+        """The proposal of ``sources`` (``_walk``): one source alone, as most are (80 of
+        116 walks on the agents' turns), by slices: every token its own, with its whole
+        weight (share 1), its match growing a token a step. Walked step by step, a
+        62-token proposal took ~0.15 ms a round after a decode, with Python's caches
+        cold, as much as the rest of the round's planning."""
+        if len(sources) != 1 or (sources[0].tokens is t and sources[0].j >= n):
+            return cls._walk(sources, cap, n, t)
+        s = sources[0]
+        if s.tokens is t:
+            # reads on into its own proposal: the text from s.j on, repeated with period n - s.j
+            head = t[s.j : n]
+            toks = (head * (cap // len(head) + 1))[:cap]
+        else:
+            toks = s.tokens[s.j : s.j + cap]
+        if not toks:
+            return None
+        return ContextProposal(toks, [min(MAX_MATCH, s.match + i) for i in range(len(toks))], [1.0] * len(toks))
+
     @staticmethod
-    def _continuation(sources: list[_Source], cap: int, n: int, t: list[int]) -> ContextProposal | None:
+    def _walk(sources: list[_Source], cap: int, n: int, t: list[int]) -> ContextProposal | None:
         """Walk the sources forward together: at each step the token the longest
         matches propose (weighed by their match lengths), the sources proposing another
         dropping out.
@@ -308,12 +329,18 @@ class ContextRecord:
             out.append(prior)
         return out
 
+    #: the bins of match lengths and places up to 127, looked up (``accepts`` runs every
+    #: round, over every token of a proposal of up to 62)
+    _MATCH_BIN = tuple(map(functools.partial(bisect.bisect_right, MATCH_EDGES), range(128)))
+    _STEP_BIN = tuple(map(functools.partial(bisect.bisect_right, STEP_EDGES), range(128)))
+
     def accepts(self, prop: ContextProposal) -> list[float]:
         """Per token of the proposal, its chance of acceptance given the ones before."""
         rates: dict[int, list[float]] = {}
         out = []
+        MB, SB = self._MATCH_BIN, self._STEP_BIN
         for i, (m, sh) in enumerate(zip(prop.match, prop.share)):
-            a, b = self._bin(m, i)
+            a, b = (MB[m], SB[i]) if m < 128 and i < 128 else self._bin(m, i)
             r = rates.get(a)
             if r is None:
                 r = rates[a] = self._rates(a)
