@@ -903,6 +903,16 @@ class MTPDriver:
                 # each token was drawn from the target's row for its position
                 s.token_probs += [self._probs(s, logits[i], None, tok, p_rows.get(i)) for i, tok in enumerate(out)]
             s.tokens.extend(out)
+        elif c is None and not s.n_probs and s.sampler.plain_argmax:
+            # the rows' argmaxes in one call, as sample() takes them one by one: right
+            # after a decode each numpy call costs tens of microseconds (performance.md)
+            toks = logits.argmax(axis=1).tolist()
+            out = []
+            for i in range(n + 1):
+                out.append(toks[i])
+                if i == n or toks[i] != drafts[i]:
+                    break
+            s.tokens.extend(out)
         else:
             out = []
             for i in range(n + 1):

@@ -164,6 +164,11 @@ class Sampler:
         """Whether every row is sampled by its argmax (``SamplingParams.greedy``)."""
         return self._greedy
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Whether ``sample`` is the raw row's argmax: greedy, no bias, no penalties."""
+        return self._greedy and not self._penalize and not self.params.logit_bias
+
     def _sync(self, history: Sequence[int], n_vocab: int) -> np.ndarray:
         """The long window's counts, brought up to ``history``'s end."""
         W = self.params.repeat_last_n
