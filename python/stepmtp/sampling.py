@@ -274,10 +274,7 @@ class Sampler:
                 vals = self._temperature(vals)
         if ids is None:
             ids = np.arange(vals.shape[0])
-        v = vals.astype(np.float64)
-        probs = np.exp(v - v.max())
-        probs /= probs.sum()
-        return ids, probs
+        return ids, _probs(vals)
 
     @staticmethod
     def _short_chain(p: SamplingParams) -> bool:
@@ -315,10 +312,7 @@ class Sampler:
             if not (kept and kept >= p.min_keep):
                 kept = max(1, min(p.min_keep, vals.shape[0]))
             ids, vals = ids[:kept], vals[:kept]
-        v = (vals / p.temperature).astype(np.float64)
-        probs = np.exp(v - v.max())
-        probs /= probs.sum()
-        return ids, probs
+        return ids, _probs(self._temperature(vals))
 
     # -- the chain's filters (run when ``params.active_filters`` has them): each returns
     # -- the indices (into vals) it keeps, or None for all of them ----------------------
@@ -463,6 +457,14 @@ def _by_value(vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """``ids`` from the largest value of ``vals`` down, equal values by index."""
     ids = np.sort(ids)
     return ids[np.argsort(-vals[ids], kind="stable")]
+
+
+def _probs(vals: np.ndarray) -> np.ndarray:
+    """The chain's last step: its candidates' probabilities (float64, summing to 1)."""
+    v = vals.astype(np.float64)
+    probs = np.exp(v - v.max())
+    probs /= probs.sum()
+    return probs
 
 
 def _softmax(vals: np.ndarray) -> np.ndarray:

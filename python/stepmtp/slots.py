@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
 from .llama import KVFullError, LlamaError
-from .mtp import MTPDriver, RoundTrace, SeqState, common_prefix
+from .mtp import MTPDriver, RoundTrace, SeqState
 from .sampling import Sampler, SamplingParams, TokenProbs
+from .sequence import common_prefix
 from .stats import GenStats
 
 if TYPE_CHECKING:

@@ -318,7 +318,14 @@ class ContextRecord:
         self.acc = [[0.0] * ns for _ in range(nm)]
         self.judged = [[0.0] * ns for _ in range(nm)]
 
+    #: the bins of match lengths and places up to 127, looked up (``accepts`` runs every
+    #: round, over every token of a proposal of up to 62)
+    _MATCH_BIN = tuple(map(functools.partial(bisect.bisect_right, MATCH_EDGES), range(128)))
+    _STEP_BIN = tuple(map(functools.partial(bisect.bisect_right, STEP_EDGES), range(128)))
+
     def _bin(self, match: int, step: int) -> tuple[int, int]:
+        if match < 128 and step < 128:
+            return self._MATCH_BIN[match], self._STEP_BIN[step]
         return bisect.bisect_right(self.MATCH_EDGES, match), bisect.bisect_right(self.STEP_EDGES, step)
 
     def _rates(self, a: int) -> list[float]:
@@ -329,18 +336,12 @@ class ContextRecord:
             out.append(prior)
         return out
 
-    #: the bins of match lengths and places up to 127, looked up (``accepts`` runs every
-    #: round, over every token of a proposal of up to 62)
-    _MATCH_BIN = tuple(map(functools.partial(bisect.bisect_right, MATCH_EDGES), range(128)))
-    _STEP_BIN = tuple(map(functools.partial(bisect.bisect_right, STEP_EDGES), range(128)))
-
     def accepts(self, prop: ContextProposal) -> list[float]:
         """Per token of the proposal, its chance of acceptance given the ones before."""
         rates: dict[int, list[float]] = {}
         out = []
-        MB, SB = self._MATCH_BIN, self._STEP_BIN
         for i, (m, sh) in enumerate(zip(prop.match, prop.share)):
-            a, b = (MB[m], SB[i]) if m < 128 and i < 128 else self._bin(m, i)
+            a, b = self._bin(m, i)
             r = rates.get(a)
             if r is None:
                 r = rates[a] = self._rates(a)
