@@ -68,3 +68,63 @@ def test_mtp_writes_plain_text_alone_and_beside_others(quantized):
         together = eng.generate_many(PROMPTS, n_predict=N, temperature=0)
     for i, out in enumerate(together):
         assert out.tokens == plain[i], f"{qtype}: prompt {i} parted from plain decoding beside three others"
+
+
+Q4K_ROWS = r"""
+    import hashlib, json, sys
+    import numpy as np
+    from stepmtp import Batch, Context, Model
+
+    m = Model(sys.argv[1])
+    toks = (m.tokenize("import os\nimport sys\n\ndef main(argv):\n", add_special=False) * 12)[:96]
+    start, n = 40, 40
+    out = {}
+    with Context(m, n_ctx=256, n_threads=2, n_threads_batch=2) as ctx:
+        b = Batch(64)
+        rows = {}
+        for k in (1, 3, 4, 8, 16, 40):  # a decode, verifies, a prompt chunk: experts of 4+ rows
+            ctx.seq_rm(0, 0, -1)
+            b.fill(toks[:start], 0, outputs="none")
+            ctx.decode(b)
+            got = []
+            for s in range(start, start + n, k):
+                b.fill(toks[s : min(s + k, start + n)], s, outputs="all")
+                ctx.decode(b)
+                got.append(ctx.logits_rows(b.n).copy())
+            rows[k] = np.concatenate(got)
+        one = rows[1]
+        out["finite"] = bool(np.isfinite(one).all() and one.std() > 0)
+        out["lone"] = {str(k): bool(np.array_equal(rows[k], one)) for k in rows}
+        out["sha"] = {str(k): hashlib.sha256(rows[k].tobytes()).hexdigest() for k in rows}
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q4_0"])
+def test_expert_rows_through_the_gemm_are_one_row_decodes(wide, tmp_path, qtype):
+    """Patch 0023: where several rows of a decode choose one Q4_K expert, mul_mat_id puts
+    them four at a time through the repacked gemm (patch 0019: it sums a row as the gemv
+    does). The wide model quantized to Q4_K_M (4 experts, 2 a row: a verify of 4 rows or
+    more gives some expert 4): rows decoded 3, 4, 8, 16 and 40 at a time are bit for bit
+    the rows decoded one at a time, and the same bits as one row at a time through the
+    gemv (GGML_CPU_MMID_GEMM=0). A wrong row mapping, leftover or column slice would part
+    them."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    path = quantize(wide, tmp_path / f"wide-{qtype}.gguf", qtype)
+
+    def child(**env: str) -> dict:
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(Q4K_ROWS), str(path)], capture_output=True,
+                           text=True, env={**os.environ, **env}, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    gemm, gemv = child(), child(GGML_CPU_MMID_GEMM="0")
+    assert gemm["finite"]
+    assert all(gemm["lone"].values()), gemm["lone"]
+    assert all(gemv["lone"].values()), gemv["lone"]
+    assert gemm["sha"] == gemv["sha"]
