@@ -312,9 +312,10 @@ def test_one_sequence_drafts_the_context_as_far_as_a_verify_carries():
     whole verify (63 rows on the CPU), not its share of a decode's rows were every slot
     busy (the rows one sliding-window region takes, over 4: 31 drafts, where the C++
     server's n-gram drafts 64): the round's rows are what the plan bounds. Plain
-    decoding's text still, drafts and all."""
+    decoding's text still, drafts and all. (A ubatch of 128 rows: with llama-server's
+    512, patch 0024's regions give each sequence 128 rows, past any verify.)"""
     prompt = COPY * 12 + COPY[:20]
-    kw = dict(n_ctx=4096, n_parallel=4, kv_unified=True)
+    kw = dict(n_ctx=4096, n_parallel=4, kv_unified=True, n_batch=128, n_ubatch=128)
     with Engine(default_model_path(), mode="none", **kw) as eng:
         want = eng.generate(prompt, n_predict=192, temperature=0).tokens
     with Engine(default_model_path(), mode="chain", debug=True, **kw) as eng:

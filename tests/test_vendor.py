@@ -39,7 +39,7 @@ def test_series_applies_cleanly_to_the_pinned_sdist(fetch, fresh_tree):
     # 0001 and 0003 are upstream's since 0.3.36 (patches/README.md)
     assert [p.name[:4] for p in series] == ["0002", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011",
                                              "0012", "0013", "0014", "0015", "0016", "0017", "0018", "0019", "0020",
-                                             "0021", "0022"]
+                                             "0021", "0022", "0023", "0024"]
     assert (fresh_tree / "src" / "models" / "step35.cpp").exists()
     for p in series:
         head = p.read_text().split("diff --git", 1)[0]

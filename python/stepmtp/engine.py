@@ -83,7 +83,7 @@ class Engine:
             one makes llama.cpp check all 256 possible sequences on every decode:
             0.1 ms a decode, a sixth of one on the bundled model).
         swa_full: a full-size cache for the sliding-window layers (llama-server's
-            ``--swa-full``); default: the window plus one ubatch, as llama-server's.
+            ``--swa-full``); default: trimmed, as llama-server's (a window and a ubatch a sequence).
         ctx_checkpoints: context checkpoints kept per slot with a trimmed
             sliding-window cache (llama-server's ``--ctx-checkpoints``): a later
             prompt that leaves the cached tokens near an earlier prompt's end goes

@@ -533,8 +533,9 @@ class Context(_Closing):
             KV holds that block's layer alone (None: every block's layer, the block
             chosen per decode through ``mtp_offset``).
         swa_full: keep a full-size sliding-window cache (llama-server's ``--swa-full``).
-            Off by default, as in llama-server: sliding-window layers keep the window
-            plus one ubatch of cells, each position in the cell its position gives
+            Off by default, as in llama-server: sliding-window layers keep a window
+            and a ubatch of cells a sequence (patch 0024; llama-server's one ubatch for
+            all), each position in the cell its position gives
             (patch 0008), so rolled-back speculative rows are rewritten where plain
             decoding puts them (``swa_rows`` bounds a decode's rows per sequence).
         flash_attn: True, False, or None (llama.cpp decides).
@@ -619,14 +620,15 @@ class Context(_Closing):
         #: rows of one sequence a decode may carry for a trimmed sliding-window cache to
         #: place each by its position (patch 0008: regions of R cells, one per sequence
         #: of a unified cache; R - n_swa rows fit beyond the window): the cache's size
-        #: as llama_kv_cache_iswa computes it
+        #: as llama_kv_cache_iswa computes it (patch 0024: a window and a ubatch a
+        #: region, so that one sequence's prompt goes in whole ubatches)
         self.swa_rows: int = 1 << 30
         #: the sliding-window layers keep fewer cells than the context (not swa_full,
-        #: and a context longer than the window plus a ubatch): positions get overwritten
+        #: and a context longer than the regions): positions get overwritten
         self.swa_trimmed = False
         if model.n_swa > 0 and not swa_full:
             n_reg = self.n_seq_max if kv_unified else 1
-            cells = -(-min(self.n_ctx_seq, model.n_swa * n_reg + self.n_ubatch) // 256) * 256
+            cells = -(-min(self.n_ctx_seq, (model.n_swa + self.n_ubatch) * n_reg) // 256) * 256
             if cells < self.n_ctx_seq:
                 # a sequence's region of R cells: position p overwrites p - R only
                 self.swa_trimmed = True

@@ -58,8 +58,8 @@ decode's bits.
 
 At temperature 0 the output is token for token what plain greedy decoding gives.
 
-Sliding-window layers keep llama-server's cache (the window plus one ubatch of
-cells, unless ``swa_full``), which our patch 0008 fills by position: position p of a
+Sliding-window layers keep a trimmed cache (a window and a ubatch of cells a sequence,
+patch 0024, unless ``swa_full``), which our patch 0008 fills by position: position p of a
 sequence goes to cell p mod R of the sequence's region of R cells. Rows written, taken
 back and written again land where one-row-at-a-time decoding puts them (attention
 sums in cell order: the same logits), and p overwrites only p - R, outside every
