@@ -274,7 +274,7 @@ class Sampler:
                 vals = self._temperature(vals)
         if ids is None:
             ids = np.arange(vals.shape[0])
-        return ids, _probs(vals)
+        return ids, _softmax(vals)
 
     @staticmethod
     def _short_chain(p: SamplingParams) -> bool:
@@ -312,7 +312,7 @@ class Sampler:
             if not (kept and kept >= p.min_keep):
                 kept = max(1, min(p.min_keep, vals.shape[0]))
             ids, vals = ids[:kept], vals[:kept]
-        return ids, _probs(self._temperature(vals))
+        return ids, _softmax(self._temperature(vals))
 
     # -- the chain's filters (run when ``params.active_filters`` has them): each returns
     # -- the indices (into vals) it keeps, or None for all of them ----------------------
@@ -459,15 +459,9 @@ def _by_value(vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return ids[np.argsort(-vals[ids], kind="stable")]
 
 
-def _probs(vals: np.ndarray) -> np.ndarray:
-    """The chain's last step: its candidates' probabilities (float64, summing to 1)."""
-    v = vals.astype(np.float64)
-    probs = np.exp(v - v.max())
-    probs /= probs.sum()
-    return probs
-
-
 def _softmax(vals: np.ndarray) -> np.ndarray:
+    """Probabilities of ``vals`` (float64, summing to 1; uniform where every value is
+    -inf): the chain's last step, and top-p's cumulative sums."""
     v = vals.astype(np.float64)
     m = v.max() if v.shape[0] else 0.0
     probs = np.exp(v - m) if np.isfinite(m) else np.ones_like(v)
