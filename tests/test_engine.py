@@ -462,6 +462,39 @@ def test_adaptive_length_is_the_default_and_stays_exact(tiny, greedy_reference, 
     assert outs["chain"].stats.rounds_by_length[3] >= 2  # the engine's first rounds time the longest
 
 
+def test_the_prompt_rows_left_to_the_first_draft_steps_are_no_cost_of_drafting(tiny, monkeypatch):
+    """The heads decode a prompt's last rows with their first draft steps (the fused
+    schedule's ride-along). The plan prices only the rows they missed while the
+    sequence drafted nothing: counting the prompt's (up to 3 x 256 rows, at the rate
+    catch-ups were timed at) kept a new request's heads from drafting for tens of rounds."""
+    from stepmtp import mtp as M
+    from stepmtp.adaptive import DraftPlanner
+
+    behind, gaps = [], []
+    plan, driver_plan = DraftPlanner.plan, M.MTPDriver._plan
+
+    def idle_plan(self, seqs, caps):
+        behind.append([p.behind for p in seqs])
+        out = plan(self, seqs, caps)
+        if len(behind) <= 4:  # the first rounds draft nothing: the heads fall behind
+            for p in seqs:
+                p.use, p.n_forced = "heads", 0
+            return [0] * len(seqs)
+        return out
+
+    def spy(self, seqs):
+        gaps.append([s.pos - min(s.kv_valid) for s in seqs])
+        return driver_plan(self, seqs)
+
+    monkeypatch.setattr(DraftPlanner, "plan", idle_plan)
+    monkeypatch.setattr(M.MTPDriver, "_plan", spy)
+    with Engine(tiny["embedded"], mode="chain", n_ctx=512) as eng:
+        n_heads = len(eng.driver.heads)
+        eng.generate(PROMPT * 4, n_predict=12, temperature=0)
+    assert gaps[0][0] > 8  # the prompt's rows do wait for the first draft steps
+    assert [b[0] for b in behind[:5]] == [n_heads * i for i in range(5)]
+
+
 @pytest.mark.parametrize("kw", [dict(n_min=3), dict(adaptive=False)])
 def test_a_fixed_draft_length(tiny, kw):
     """n-min = n-max, or adaptive off: every round drafts n-max (p-min 0)."""

@@ -808,7 +808,15 @@ class MTPDriver:
                         # long generation drafting nothing, at temperature 1 on a CPU, kept
                         # every row's hidden state: 16 KB a token at Step-3.5-Flash's width)
                         self.H.bound_catch_up(s, s.pos + 1)
-                    s.policy.behind = sum(min(Heads.MAX_CATCH_UP, s.pos - s.kv_valid[k]) for k in self.heads)
+                    # rows the heads missed while the sequence drafted nothing: the cost of
+                    # drafting again. Not the prompt's last rows, left to ride along with
+                    # the first draft steps: the first drafts of the request pay them
+                    # whenever they come, and counted here (up to 3 x 256 rows) they kept
+                    # a new request's heads from drafting for tens of rounds once a
+                    # catch-up was timed
+                    since = s.n_prefilled
+                    s.policy.behind = sum(min(Heads.MAX_CATCH_UP, max(0, s.pos - max(s.kv_valid[k], since)))
+                                          for k in self.heads)
             plan = self.planner.plan([s.policy for s in planned], [s.n_plan for s in planned])
             for s, n in zip(planned, plan):
                 p = s.policy
