@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from stepmtp.adaptive import SeqPolicy, ConfidenceRecord, DraftPlanner, RoundCosts, regime
+from stepmtp.adaptive import SeqPolicy, ConfidenceRecord, DraftPlanner, RoundCosts, _Timings, regime
 
 # a CPU's costs on the bench model (x a 1-row decode): verify rows cost, heads are cheap
 CPU = {1: 1.0, 2: 1.61, 3: 2.06, 4: 2.52}
@@ -571,6 +571,23 @@ def test_a_row_count_timed_once_slow_does_not_keep_long_copies_out():
     verifies(costs, [(63, 3 * true(63))] * 3)
     n = planner.plan([p], [3])[0]
     assert n < 40, n
+
+
+def test_a_row_count_timed_again_after_a_pause_is_not_trusted_on_one_sample():
+    """A row count not timed for STALE_ROUNDS rounds starts its window again, and its
+    sample count with it: one slow sample then costs it at most what the trusted
+    counts say, as for a count never timed (its old samples had made it trusted, and
+    the one new sample was believed: every longer copy's rows read off it)."""
+    costs = DraftPlanner(3).costs_for(1)
+    true = lambda r: 0.010 * r ** 0.75  # noqa: E731
+    for rows in (1, 2, 3, 4, 9, 17):
+        verifies(costs, [(rows, true(rows))] * 5)
+    assert costs.verify(17) == pytest.approx(true(17))
+    verifies(costs, [(9, true(9))] * (_Timings.STALE_ROUNDS + 1))  # 17 not timed meanwhile
+    verifies(costs, [(17, 2 * true(17))])  # preempted
+    assert costs.verify(17) < 1.3 * true(17), costs.verify(17) / true(17)
+    verifies(costs, [(17, 2 * true(17))] * 2)  # slow every time: believed
+    assert costs.verify(17) == pytest.approx(2 * true(17))
 
 
 def test_copies_are_costed_before_the_heads_ever_drafted():

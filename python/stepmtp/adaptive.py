@@ -140,7 +140,13 @@ class _Timings:
             return
         w = self._samples.setdefault(key, [])
         if rnd - self.seen.get(key, rnd) > self.STALE_ROUNDS:
+            # its count starts again with its window: a count trusted for its old
+            # samples was otherwise trusted with one new sample, a preempted one at
+            # that (a 17-row verify timed at 1.6x its cost on the next agent's turn,
+            # and every longer copy's rows read off it twice as dear for the turn: its
+            # context drafted 8 tokens a round, every one accepted)
             w.clear()
+            self.n[key] = 0
         w.append(seconds)
         del w[: -self.WINDOW]
         self.t[key] = _median(w)
