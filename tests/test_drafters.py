@@ -127,7 +127,7 @@ def test_a_proposal_not_drafted_is_judged_by_the_tokens_emitted():
     cd = ContextDrafting(SimpleNamespace(spec=SpecConfig(), speculate=True))
     assert len(cd.proposers) == 1  # ours, beside the heads
     prop = ContextProposal(tokens=[5] * 62, match=[64] * 62, share=[1.0] * 62)
-    s = SimpleNamespace(proposal=prop, proposer=0, rejection=False, ctx=[None],
+    s = SimpleNamespace(proposal=prop, proposer=0, rejection=False, ctx=[None], tokens=[], ctx_pending=[],
                         sampler=SimpleNamespace(greedy=True, params=SimpleNamespace(temperature=0.0)))
     cd.judge(s, [6], 24)  # the long draft, rejected at once
     low = cd.record(s).accepts(prop)
@@ -139,10 +139,47 @@ def test_a_proposal_not_drafted_is_judged_by_the_tokens_emitted():
     # a round whose second token is another: the first place accepted, the second rejected
     rec = cd.record(s)
     before = [row[:] for row in rec.judged]
+    s.ctx_pending = []  # (this round's own places alone: test_later_places_are_judged_...)
     cd.judge(s, [5, 6, 7], 0)
     judged = sum(map(sum, rec.judged)) - sum(x * ContextRecord.DECAY ** 2 for row in before for x in row)
     assert judged == pytest.approx(2.0)
     assert cd.record(s).accepts(prop)[1] < high[1]
+
+
+def test_later_places_are_judged_when_the_text_gets_there():
+    """A proposal that agreed with every token its round emitted is judged on at the
+    places past them as later rounds emit the text (as far as it agrees, and the first
+    token that differs): judged only as far as a round emitted, places past the drafts
+    the plan dared kept their prior, and a copy held for 50 tokens went 2-16 a round."""
+    from types import SimpleNamespace
+
+    from stepmtp.drafters.drafting import ContextDrafting
+    from stepmtp.sequence import SpecConfig
+
+    cd = ContextDrafting(SimpleNamespace(spec=SpecConfig(), speculate=True))
+    prop = ContextProposal(tokens=list(range(1, 21)), match=[64] * 20, share=[1.0] * 20)
+    s = SimpleNamespace(proposal=prop, proposer=0, rejection=False, ctx=[None], tokens=[90, 91], ctx_pending=[],
+                        sampler=SimpleNamespace(greedy=True, params=SimpleNamespace(temperature=0.0)))
+    rec = cd.record(s)
+
+    def totals():
+        return sum(map(sum, rec.acc)), sum(map(sum, rec.judged))
+
+    s.tokens += [1, 2, 3]  # (the driver extends the tokens first)
+    cd.judge(s, [1, 2, 3], 2)  # two drafted, both accepted, and the bonus: the proposal's
+    assert totals() == pytest.approx((3.0, 3.0), abs=0.02)
+    s.tokens += [4, 5]  # agreeing so far: undecided, it waits
+    ContextDrafting._judge_on(s)
+    assert len(s.ctx_pending) == 1 and totals() == pytest.approx((3.0, 3.0), abs=0.02)
+    s.tokens += [6, 7, 8, 9, 10, 11, 12, 99, 100]  # the text parts from it at place 12
+    ContextDrafting._judge_on(s)
+    assert not s.ctx_pending
+    assert totals() == pytest.approx((3.0 + 9.0, 3.0 + 10.0), abs=0.1)  # places 3-11 accepted, 12 not
+    # a proposal the round's tokens already parted from waits for nothing
+    s.proposal = ContextProposal(tokens=[7, 7, 7, 7], match=[64] * 4, share=[1.0] * 4)
+    s.tokens += [7, 8]
+    cd.judge(s, [7, 8], 1)
+    assert not s.ctx_pending
 
 
 # -- point proposals ------------------------------------------------------------------

@@ -348,14 +348,17 @@ class ContextRecord:
             out.append(min(0.995, r[b] * sh))
         return out
 
-    def observe(self, prop: ContextProposal, n_drafted: int, n_accepted: int) -> None:
-        f = self.DECAY ** min(n_drafted, n_accepted + 1)
+    def observe(self, prop: ContextProposal, n_drafted: int, n_accepted: int, first: int = 0) -> None:
+        """The proposal's places ``first`` .. judged: the first ``n_drafted`` places
+        drafted (or compared), ``n_accepted`` of them accepted (counted from place 0)."""
+        end = min(n_drafted, n_accepted + 1)  # later drafts were never judged
+        f = self.DECAY ** max(0, end - first)
         if f < 1.0:
             for row_a, row_j in zip(self.acc, self.judged):
                 for b in range(len(row_a)):
                     row_a[b] *= f
                     row_j[b] *= f
-        for i in range(min(n_drafted, n_accepted + 1)):  # later drafts were never judged
+        for i in range(first, end):
             a, b = self._bin(prop.match[i], i)
             self.acc[a][b] += i < n_accepted
             self.judged[a][b] += 1.0
