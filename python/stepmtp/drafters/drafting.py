@@ -48,7 +48,8 @@ class ContextDrafting:
         So the record learns from every round, not only from those that drafted the
         context: one long draft rejected at its first token had left the first place's
         rate low for good while the heads drafted (a loop the context proposed 62 tokens
-        of, written in 3-token head drafts for 40 rounds, every one accepted)."""
+        of, written in 3-token head drafts for 40 rounds, every one accepted). Where
+        every token emitted agreed, its later places wait for the text (``_judge_on``)."""
         prop = s.proposal
         a = common_prefix(prop.tokens, out)
         rec = self.record(s)
