@@ -628,8 +628,8 @@ class Context(_Closing):
         self.swa_trimmed = False
         if model.n_swa > 0 and not swa_full:
             n_reg = self.n_seq_max if kv_unified else 1
-            region = -(-(model.n_swa + self.n_ubatch) // 256) * 256
-            cells = -(-min(self.n_ctx_seq, region * n_reg) // 256) * 256
+            pad = lambda n: -(-n // 256) * 256  # noqa: E731  (GGML_PAD(n, 256))
+            cells = pad(min(self.n_ctx_seq, pad(model.n_swa + self.n_ubatch) * n_reg))
             if cells < self.n_ctx_seq:
                 # a sequence's region of R cells: position p overwrites p - R only
                 self.swa_trimmed = True

@@ -230,8 +230,8 @@ class SeqState:
     proposer: int = -1
     n_point: int = 0
     #: proposals that agreed with every token their round emitted and reach further:
-    #: (proposal, where its first token is in ``tokens``, places judged, its record),
-    #: judged on as the text gets there (``ContextDrafting.judge``)
+    #: (proposal, where its first token is in ``tokens``, places judged, places known
+    #: to agree, its record), judged on as the text gets there (``ContextDrafting.judge``)
     ctx_pending: list = field(default_factory=list)
 
     @property

@@ -64,7 +64,7 @@ class ContextDrafting:
             # its prior: a copy held for 50 tokens a round, drafted 2-16 at a time (an
             # agent's copy turn on the bench model: 339 tokens matched in 20 context
             # rounds, 96 drafted and accepted)
-            s.ctx_pending.append((prop, len(s.tokens) - len(out), len(out), rec))
+            s.ctx_pending.append((prop, len(s.tokens) - len(out), len(out), len(out), rec))
 
     #: proposals waiting to be judged on, a sequence (each resolves within its length)
     MAX_PENDING = 64
@@ -72,17 +72,19 @@ class ContextDrafting:
     @staticmethod
     def _judge_on(s: "SeqState") -> None:
         """Judge the waiting proposals' later places the text has decided: as far as
-        they agree with it and the token after (the first that differs, or the end)."""
+        they agree with it and the token after (the first that differs, or the end).
+        Each is compared with the tokens emitted since it last was (``agreed``: its
+        places known to agree, from ``first`` on not yet judged), once a round."""
         if not s.ctx_pending:
             return
         t, left = s.tokens, []
-        for prop, start, done, rec in s.ctx_pending:
-            seen = t[start + done : start + len(prop.tokens)]
-            b = common_prefix(prop.tokens[done:], seen)
-            if b < len(seen) or done + len(seen) == len(prop.tokens):
-                rec.observe(prop, done + min(b + 1, len(seen)), done + b, first=done)
+        for prop, start, first, agreed, rec in s.ctx_pending:
+            arrived = t[start + agreed : start + len(prop.tokens)]
+            b = common_prefix(prop.tokens[agreed:], arrived)
+            if b < len(arrived) or agreed + len(arrived) == len(prop.tokens):
+                rec.observe(prop, agreed + min(b + 1, len(arrived)), agreed + b, first=first)
             else:
-                left.append((prop, start, done, rec))
+                left.append((prop, start, first, agreed + b, rec))
         s.ctx_pending = left
 
     def pool(self, key: object) -> ContextPool | None:
